@@ -1,0 +1,100 @@
+"""The tensors one forward pass needs, built once per pass from plain lists.
+
+A `ForwardBatch` describes B sequences that each extend their context by some
+new tokens (a decode step is an extension by one). The new tokens of all
+sequences are flattened into T rows, sequence by sequence. Every sequence's
+whole context, cached prefix and new tokens alike, is addressed through KV pool
+slot indices: the layers write the new K/V rows at `out_slots` first and then
+attend over `req_slots`, so attention only ever reads the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Per-pass metadata. Invariant: `req_slots[b, :seq_lens[b]]` are the
+    slots of sequence b's context in order, and its new tokens are the last
+    `extend_lens[b]` of them (`out_slots` lists them flattened)."""
+
+    positions: torch.Tensor  # [T] int64, position of each new token
+    out_slots: torch.Tensor  # [T] int64, pool slot each new token writes
+    req_slots: torch.Tensor  # [B, L] int64, context slots, padded with slot 0
+    seq_lens: torch.Tensor  # [B] int64, context length after this pass
+    extend_lens: torch.Tensor  # [B] int64, new tokens per sequence
+    qo_indptr: torch.Tensor  # [B + 1] int64, offsets of each sequence's rows
+    q_index: torch.Tensor  # [B, Q] int64, row of each padded query (0 where padding)
+    q_valid: torch.Tensor  # [B, Q] bool, which padded queries are real
+    attn_mask: torch.Tensor  # [B, 1, Q, L] bool, True where a query may attend
+    sample_rows: torch.Tensor  # [S] int64, rows whose logits are sampled
+    max_extend: int
+    num_tokens: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def prefix_lens(self) -> torch.Tensor:
+        return self.seq_lens - self.extend_lens
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_extend == 1
+
+    @classmethod
+    def build(
+        cls,
+        rows: list[list[int]],
+        extend_lens: list[int],
+        sample: list[bool],
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """`rows[b]` is sequence b's full context (prefix then new slots);
+        `extend_lens[b]` how many of them are new; `sample[b]` whether the
+        last new token's logits are sampled."""
+        if not (len(rows) == len(extend_lens) == len(sample)) or not rows:
+            raise ValueError("rows, extend_lens and sample must be equal, non-empty lists")
+        seq_lens = [len(r) for r in rows]
+        for n, e in zip(seq_lens, extend_lens, strict=True):
+            if not 0 < e <= n:
+                raise ValueError(f"extend length {e} outside 1..{n}")
+        bsz, width, q_max = len(rows), max(seq_lens), max(extend_lens)
+        req_slots = torch.zeros(bsz, width, dtype=torch.int64)
+        for b, r in enumerate(rows):
+            req_slots[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        seq_t = torch.tensor(seq_lens, dtype=torch.int64)
+        ext_t = torch.tensor(extend_lens, dtype=torch.int64)
+        indptr = torch.zeros(bsz + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(ext_t, 0)
+        prefix = seq_t - ext_t
+        qi = torch.arange(q_max, dtype=torch.int64)
+        q_valid = qi[None, :] < ext_t[:, None]
+        q_index = torch.where(q_valid, indptr[:-1, None] + qi[None, :], 0)
+        q_pos = prefix[:, None] + qi[None, :]  # [B, Q] absolute position of each query
+        k_pos = torch.arange(width, dtype=torch.int64)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+            k_pos[None, None, :] < seq_t[:, None, None]
+        )
+        positions = q_pos[q_valid]
+        out_slots = req_slots[torch.arange(bsz)[:, None], q_pos.clamp(max=width - 1)][q_valid]
+        sample_rows = (indptr[1:] - 1)[torch.tensor(sample, dtype=torch.bool)]
+        dev = torch.device(device)
+        return cls(
+            positions=positions.to(dev),
+            out_slots=out_slots.to(dev),
+            req_slots=req_slots.to(dev),
+            seq_lens=seq_t.to(dev),
+            extend_lens=ext_t.to(dev),
+            qo_indptr=indptr.to(dev),
+            q_index=q_index.to(dev),
+            q_valid=q_valid.to(dev),
+            attn_mask=mask[:, None].to(dev),
+            sample_rows=sample_rows.to(dev),
+            max_extend=q_max,
+            num_tokens=int(indptr[-1]),
+        )

@@ -1,0 +1,173 @@
+"""Model configuration parsed from a Hugging Face `config.json`.
+
+One frozen dataclass covers both families ringserve runs: the Llama family
+(Llama, Mistral, Qwen2, Qwen3) and GPT-BigCode. Everything the loader, the
+runner and the memory planner derive from the config lives here as a property,
+so there is one definition of each figure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+BIGCODE_FAMILY = {"gpt_bigcode"}
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture of one model; validated at construction."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    tie_word_embeddings: bool
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str = "float32"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in LLAMA_FAMILY | BIGCODE_FAMILY:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}: ringserve runs "
+                f"{sorted(LLAMA_FAMILY | BIGCODE_FAMILY)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+        if min(self.num_layers, self.hidden_size, self.vocab_size, self.head_dim) <= 0:
+            raise ValueError("config has a non-positive size")
+
+    @property
+    def family(self) -> str:
+        return "gpt_bigcode" if self.model_type in BIGCODE_FAMILY else "llama"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token_per_layer(self, dtype: str) -> int:
+        """Bytes one token's K and V take in one layer of the KV pool."""
+        return 2 * self.kv_size * _DTYPE_BYTES[dtype]
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "")
+        if model_type in BIGCODE_FAMILY:
+            return cls._from_bigcode(cfg)
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            intermediate_size=cfg["intermediate_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_theta=float(_rope_theta(cfg)),
+            rope_scaling=_rope_scaling(cfg),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=_ids(cfg.get("eos_token_id")),
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            raw=cfg,
+        )
+
+    @classmethod
+    def _from_bigcode(cls, cfg: dict[str, Any]) -> ModelConfig:
+        if not cfg.get("multi_query", True):
+            raise ValueError("gpt_bigcode without multi_query is not supported")
+        hidden = cfg["n_embd"]
+        heads = cfg["n_head"]
+        return cls(
+            model_type="gpt_bigcode",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            num_layers=cfg["n_layer"],
+            num_heads=heads,
+            num_kv_heads=1,
+            head_dim=hidden // heads,
+            intermediate_size=cfg.get("n_inner") or 4 * hidden,
+            max_position_embeddings=cfg.get("n_positions", 2048),
+            norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=True,
+            eos_token_ids=_ids(cfg.get("eos_token_id")),
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: a model directory needs config.json")
+        cfg = cls.from_dict(json.loads(path.read_text()))
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.is_file():
+            extra = _ids(json.loads(gen.read_text()).get("eos_token_id"))
+            merged = tuple(dict.fromkeys(cfg.eos_token_ids + extra))
+            cfg = _replace(cfg, eos_token_ids=merged)
+        return cfg
+
+
+def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, **changes)
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    if "rope_theta" in cfg:
+        return cfg["rope_theta"]
+    params = cfg.get("rope_parameters") or {}
+    return params.get("rope_theta", 10000.0)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+    return dict(scaling)

@@ -1,0 +1,114 @@
+"""Typed messages of the ring. Every message is a tagged `msgspec.Struct`.
+
+Decisions flow 0 -> 1 -> ... -> last, each followed by exactly one `Hidden`
+per pass from every rank to its successor; the last rank answers rank 0 with
+exactly one terminal per pass, `Output` or `Void`. Tensors travel beside the
+payload (see `ring/codec.py`), never inside it, and nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+
+import msgspec
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The sampling parameters the last rank needs for one request."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+class NewRequest(msgspec.Struct, frozen=True):
+    """A request entering the replicated request table (or re-entering it
+    after a retraction: an upsert)."""
+
+    req_id: int
+    sampling: SamplingSpec
+
+
+class Entry(msgspec.Struct, frozen=True):
+    """One request's share of a pass: it extends its context from `start`
+    by `tokens`, written at `slots`.
+
+    Self-describing so a replica never has to remember a rolled-back pass:
+    when `reuse` is given the row becomes `reuse` (a cached prefix, `start`
+    slots long), otherwise the row is cut to `start` slots; then `slots` are
+    appended. `sample` says whether the last token's logits are sampled."""
+
+    req_id: int
+    start: int
+    tokens: list[int]
+    slots: list[int]
+    sample: bool
+    reuse: list[int] | None = None
+
+
+class Decision(msgspec.Struct, frozen=True, tag="decision"):
+    pass_id: int
+    mb_slot: int
+    kv_epoch: int
+    new_requests: list[NewRequest]
+    entries: list[Entry]
+    dropped: list[int]
+
+    def digest(self) -> str:
+        """A stable fingerprint, so logs of different ranks can be compared."""
+        return hashlib.blake2b(msgspec.msgpack.encode(self), digest_size=8).hexdigest()
+
+
+class Hidden(msgspec.Struct, frozen=True, tag="hidden"):
+    """Hidden states of one pass (one tensor beside the payload), or, when
+    `void` is set, the marker that the pass ran nowhere past `void_rank`."""
+
+    pass_id: int
+    void: str | None = None
+    void_rank: int | None = None
+
+
+class TopLogprobs(msgspec.Struct, frozen=True):
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Output(msgspec.Struct, frozen=True, tag="output"):
+    """Sampled tokens of one pass, one per sampled entry, in entry order."""
+
+    pass_id: int
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    fallbacks: int = 0
+
+
+class Void(msgspec.Struct, frozen=True, tag="void"):
+    """Terminal of a pass that could not run on `rank`."""
+
+    pass_id: int
+    rank: int
+    reason: str
+
+
+class ControlKind(enum.StrEnum):
+    SHUTDOWN = "shutdown"
+    HEARTBEAT = "heartbeat"
+    KV_EPOCH = "kv_epoch"
+    READY = "ready"
+
+
+class Control(msgspec.Struct, frozen=True, tag="control"):
+    kind: ControlKind
+    seq: int = 0
+    rank: int = 0
+    epoch: int = 0
+    reason: str = ""
+
+
+Message = Decision | Hidden | Output | Void | Control
+MESSAGE_TYPES: tuple[type, ...] = (Decision, Hidden, Output, Void, Control)
