@@ -1,0 +1,55 @@
+"""Token sampling over a batch of logit rows: the torch reference.
+
+Randomness enters only through `noise`, a tensor of uniforms in (0, 1) of the
+logits' shape, so every backend given the same noise picks the same tokens.
+A token is drawn by the exponential race: argmax(p / -log(u)), which samples
+exactly from p. Rows with temperature 0 are greedy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Probabilities after temperature, top-k (k <= 0: off), top-p and min-p,
+    renormalised. Rows may come out non-finite; the caller checks."""
+    temp = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    probs = torch.softmax(logits / temp, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
+    keep = rank < k
+    keep &= (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
+    keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    kept = torch.where(keep, sorted_p, 0.0)
+    filtered = torch.zeros_like(probs).scatter_(-1, order, kept)
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (tokens [S] int64, fallback [S] bool). A row whose filtered
+    probabilities hold NaN or inf falls back to argmax over its logits with
+    NaN replaced by -inf, and is flagged rather than raised."""
+    logits = logits.float()
+    probs = filter_probs(logits, temperature, top_k, top_p, min_p)
+    bad = ~torch.isfinite(probs).all(-1)
+    race = probs / -torch.log(noise.clamp(min=1e-20, max=1.0 - 1e-7))
+    sampled = torch.nan_to_num(race, nan=-1.0).argmax(-1)
+    greedy = torch.nan_to_num(logits, nan=float("-inf")).argmax(-1)
+    use_greedy = (temperature <= 0) | bad
+    return torch.where(use_greedy, greedy, sampled), bad & (temperature > 0)
