@@ -1,0 +1,21 @@
+"""ringserve: serve one language model split by layers across devices of
+unequal size, as a pipeline ring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # Resolved on first use, so importing one submodule does not load the engine.
+    if name == "LLM":
+        from ringserve.llm import LLM
+
+        return LLM
+    if name in ("SamplingParams", "RequestOutput"):
+        from ringserve.engine import params
+
+        return getattr(params, name)
+    raise AttributeError(f"module 'ringserve' has no attribute {name!r}")

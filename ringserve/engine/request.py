@@ -1,0 +1,104 @@
+"""Rank 0's record of one request: its tokens, where their KV lives, and
+what it owns. Pure Python over ints."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringserve.engine.params import SamplingParams
+from ringserve.ring.messages import SamplingSpec
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Invariant: `row` holds the KV slots of `tokens[:len(row)]`, in order.
+    `borrowed` of them are the radix cache's (locked through `node`); every
+    slot in `private` is this request's own and is freed when it leaves.
+    Slots the cache adopted are in `row` but in neither set's care."""
+
+    req_id: int
+    prompt: list[int]
+    params: SamplingParams
+    spec: SamplingSpec
+    eos_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    row: list[int] = field(default_factory=list)
+    node: Any = None
+    private: set[int] = field(default_factory=set)
+    cached_tokens: int = 0
+    in_flight: bool = False
+    retries: int = 0
+    finish_reason: str | None = None
+    abort_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.row)
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to be fed through the model before the next sample."""
+        return len(self.prompt) + len(self.output) - len(self.row)
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.row) < len(self.prompt)
+
+    @property
+    def step(self) -> int:
+        """Index of the token the next sample produces (for seeded noise)."""
+        return len(self.output)
+
+    def stop_reason(self, max_model_len: int) -> str | None:
+        """Why the request must stop after its newest token, if it must."""
+        last = self.output[-1]
+        if not self.params.ignore_eos and last in self.eos_ids:
+            return "stop"
+        if last in self.params.stop_token_ids:
+            return "stop"
+        if len(self.output) >= self.params.max_tokens:
+            return "length"
+        if len(self.prompt) + len(self.output) >= max_model_len:
+            return "length"
+        return None
+
+
+def sampling_spec(params: SamplingParams) -> SamplingSpec:
+    """The last rank's view of a request's sampling; rank 0 fixes the seed."""
+    return SamplingSpec(
+        temperature=0.0 if params.greedy else params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        seed=params.seed if params.seed is not None else secrets.randbits(62),
+        logprobs=params.logprobs,
+    )
+
+
+class RequestFactory:
+    """Numbers requests and binds them to the model's EOS ids."""
+
+    def __init__(self, eos_ids: frozenset[int]) -> None:
+        self.eos_ids = eos_ids
+        self.next_id = 0
+
+    def __call__(self, prompt: list[int], params: SamplingParams) -> Request:
+        req = Request(self.next_id, list(prompt), params, sampling_spec(params), self.eos_ids)
+        self.next_id += 1
+        return req

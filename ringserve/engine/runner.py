@@ -1,0 +1,67 @@
+"""Runs one rank's slice of the model for a decision (the only engine file
+that touches tensors)."""
+
+from __future__ import annotations
+
+import torch
+
+from ringserve.cache.pool import KVPool
+from ringserve.engine.batch import ForwardBatch
+from ringserve.engine.replica import Row
+from ringserve.engine.sampler import Sampler
+from ringserve.ring.messages import Decision, Output
+
+
+class Runner:
+    """Owns the rank's model slice and KV pool. `first` stages embed token
+    ids; `last` stages sample."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        device: torch.device,
+        layers: range,
+        num_layers: int,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.layers = layers
+        self.first = layers.start == 0
+        self.last = layers.stop == num_layers
+        self.sampler = Sampler()
+
+    def batch(self, decision: Decision, rows: list[Row]) -> ForwardBatch:
+        entries = decision.entries
+        return ForwardBatch.build(
+            [r.slots for r in rows],
+            [len(e.tokens) for e in entries],
+            [e.sample for e in entries],
+            self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, decision: Decision, batch: ForwardBatch, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Hidden states after this rank's layers. `hidden` is the upstream
+        rank's output, or None on the first stage."""
+        if self.first:
+            ids = [t for e in decision.entries for t in e.tokens]
+            x = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        elif hidden is None:
+            raise ValueError("a downstream stage needs the upstream hidden states")
+        else:
+            x = hidden.to(self.device)
+        return self.model(x, batch, self.pool)
+
+    @torch.inference_mode()
+    def sample(
+        self, decision: Decision, rows: list[Row], batch: ForwardBatch, hidden: torch.Tensor
+    ) -> Output:
+        logits = self.model.logits(hidden[batch.sample_rows])
+        picked = [(e, r) for e, r in zip(decision.entries, rows, strict=True) if e.sample]
+        specs = [r.sampling for _, r in picked]
+        positions = [e.start + len(e.tokens) for e, _ in picked]
+        return self.sampler(decision.pass_id, logits, specs, positions)

@@ -1,0 +1,90 @@
+"""Sampling on the last rank: turns a pass's logits into its `Output`.
+
+Noise for each row comes from the request's seed and the position of the token
+being drawn, so a pass re-run after a void draws the same token, and replicas
+need no sampler state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringserve.kernels.sampling import sample_reference
+from ringserve.ring.messages import Output, SamplingSpec, TopLogprobs
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK = (1 << 63) - 1
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """One definition of the per-draw seed."""
+    return (seed * _MIX + position * 0xBF58476D1CE4E5B9 + 1) & _MASK
+
+
+class Sampler:
+    """Stateless apart from the device it draws noise on."""
+
+    def __call__(
+        self,
+        pass_id: int,
+        logits: torch.Tensor,
+        specs: list[SamplingSpec],
+        positions: list[int],
+    ) -> Output:
+        logits = logits.float()
+        if all(s.temperature == 0 or s.top_k == 1 for s in specs):
+            tokens, fallback = self._greedy(logits)
+        else:
+            tokens, fallback = self._sample(logits, specs, positions)
+        logprobs, top = self._logprobs(logits, tokens, specs)
+        return Output(
+            pass_id=pass_id,
+            tokens=tokens.tolist(),
+            logprobs=logprobs,
+            top_logprobs=top,
+            fallbacks=int(fallback.sum()),
+        )
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bad = torch.isnan(logits).any(-1)
+        if bool(bad.any()):
+            logits = torch.nan_to_num(logits, nan=float("-inf"))
+        return logits.argmax(-1), bad
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = logits.device
+        greedy = [s.temperature == 0 or s.top_k == 1 for s in specs]
+        temperature = torch.tensor(
+            [0.0 if g else s.temperature for s, g in zip(specs, greedy, strict=True)], device=dev
+        )
+        top_k = torch.tensor([s.top_k for s in specs], device=dev)
+        top_p = torch.tensor([s.top_p for s in specs], device=dev)
+        min_p = torch.tensor([s.min_p for s in specs], device=dev)
+        noise = torch.full_like(logits, 0.5)
+        for i, (spec, pos) in enumerate(zip(specs, positions, strict=True)):
+            if not greedy[i]:
+                gen = torch.Generator(device="cpu").manual_seed(noise_seed(spec.seed or 0, pos))
+                noise[i] = torch.rand(logits.shape[-1], generator=gen).to(dev)
+        tokens, fallback = sample_reference(logits, temperature, top_k, top_p, min_p, noise)
+        return tokens, fallback | (torch.isnan(logits).any(-1) & temperature.eq(0))
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, specs: list[SamplingSpec]
+    ) -> tuple[list[float] | None, list[TopLogprobs] | None]:
+        want = [s.logprobs for s in specs]
+        if all(w is None for w in want):
+            return None, None
+        lp = torch.log_softmax(torch.nan_to_num(logits, nan=float("-inf")), -1)
+        chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()
+        k = max(w or 0 for w in want)
+        vals, ids = lp.topk(k, -1) if k else (lp[:, :0], tokens[:, None][:, :0])
+        top = [
+            TopLogprobs(ids[i, : w or 0].tolist(), vals[i, : w or 0].tolist())
+            for i, w in enumerate(want)
+        ]
+        return chosen, top

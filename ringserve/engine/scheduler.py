@@ -1,0 +1,314 @@
+"""Rank 0's scheduler: the only place a pass is decided (DESIGN §1, §3, §4).
+
+Pure Python over ints. Given the same arrivals, outputs and voids in the
+same order it makes the same decisions, so it can be re-run from logs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import structlog
+
+from ringserve.cache.allocator import OutOfSlots, SlotAllocator
+from ringserve.cache.census import Census, take_census
+from ringserve.cache.radix import RadixCache
+from ringserve.engine.request import Phase, Request
+from ringserve.ring.messages import Decision, Entry, NewRequest, Output, Void
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Budgets of one pass. `passes_in_flight` is the pipeline depth S."""
+
+    max_model_len: int
+    max_tokens_per_pass: int = 512
+    chunk_size: int = 256
+    max_batch: int = 64
+    max_retries: int = 3
+    prefix_reuse: bool = True
+    passes_in_flight: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.max_tokens_per_pass, self.chunk_size, self.max_batch) < 1:
+            raise ValueError("pass budgets must be >= 1")
+        if self.passes_in_flight < 1 or self.max_retries < 0:
+            raise ValueError("passes_in_flight must be >= 1 and max_retries >= 0")
+
+
+@dataclass(slots=True)
+class _Pass:
+    decision: Decision
+    reqs: list[Request]
+
+
+@dataclass(slots=True)
+class _Draft:
+    """A pass being assembled: its token budget and the requests in it."""
+
+    budget: int
+    entries: list[Entry] = field(default_factory=list)
+    reqs: list[Request] = field(default_factory=list)
+    admitted: list[NewRequest] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the request table, the slot allocator and the radix cache.
+
+    Invariant (checked by `census`): every usable slot is free, cached, or
+    private to exactly one live request."""
+
+    def __init__(
+        self, config: SchedulerConfig, allocator: SlotAllocator, cache: RadixCache
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.cache = cache
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.in_flight: dict[int, _Pass] = {}
+        self.next_pass_id = 0
+        self.kv_epoch = 0
+        self._to_drop: list[int] = []
+        self.voids = 0
+        self.fallbacks = 0
+
+    # ---- arrivals and aborts -------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        n = len(req.prompt)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens; the model's context is {self.config.max_model_len}"
+            )
+        if n + 1 > self.allocator.capacity - 1:
+            raise ValueError(f"prompt of {n} tokens cannot fit the KV pool of this server")
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id} is already in use")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+        log.info("request.admitted", req=req.req_id, prompt_tokens=n)
+
+    def abort(self, req_id: int, reason: str = "abort") -> None:
+        req = self.requests.get(req_id)
+        if req is None or req.phase is Phase.FINISHED:
+            return
+        if req.in_flight:
+            req.abort_reason = reason
+        elif req.phase is Phase.WAITING:
+            self.waiting.remove(req)
+            self._finish(req, reason)
+        else:
+            self._finish(req, reason)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and not self.in_flight
+
+    # ---- deciding a pass -----------------------------------------------------
+
+    def schedule(self) -> Decision | None:
+        """Decide the next pass, or None when nothing can run now."""
+        if len(self.in_flight) >= self.config.passes_in_flight:
+            return None
+        draft = _Draft(budget=self.config.max_tokens_per_pass)
+        self._extend_running(draft)
+        self._admit_waiting(draft)
+        if not draft.entries:
+            return None
+        decision = Decision(
+            pass_id=self.next_pass_id,
+            mb_slot=self.next_pass_id % self.config.passes_in_flight,
+            kv_epoch=self.kv_epoch,
+            new_requests=draft.admitted,
+            entries=draft.entries,
+            dropped=self._to_drop,
+        )
+        self._to_drop = []
+        self.next_pass_id += 1
+        self.in_flight[decision.pass_id] = _Pass(decision, draft.reqs)
+        for req in draft.reqs:
+            req.in_flight = True
+        return decision
+
+    def _room(self, draft: _Draft) -> bool:
+        return draft.budget > 0 and len(draft.entries) < self.config.max_batch
+
+    def _extend_running(self, draft: _Draft) -> None:
+        for req in list(self.running):
+            if not self._room(draft):
+                return
+            if req.in_flight or req.phase is not Phase.RUNNING:
+                continue
+            n = min(req.pending, self.config.chunk_size, draft.budget)
+            slots = self._alloc(n, draft, asker=req)
+            if slots is not None:
+                self._add_entry(draft, req, slots, reuse=None)
+
+    def _admit_waiting(self, draft: _Draft) -> None:
+        while self.waiting and self._room(draft):
+            req = self.waiting[0]
+            reuse, node = self._match(req)
+            n = min(len(req.tokens) - len(reuse), self.config.chunk_size, draft.budget)
+            self.cache.lock(node)
+            slots = self._alloc(n, draft, asker=None)
+            if slots is None:
+                self.cache.unlock(node)
+                log.info("request.parked", req=req.req_id, needs=n)
+                return
+            self.waiting.popleft()
+            req.phase, req.node, req.row = Phase.RUNNING, node, list(reuse)
+            req.cached_tokens = max(req.cached_tokens, len(reuse))
+            self.running.append(req)
+            draft.admitted.append(NewRequest(req.req_id, req.spec))
+            self._add_entry(draft, req, slots, reuse=reuse)
+
+    def _match(self, req: Request) -> tuple[list[int], object]:
+        """Longest cached prefix, leaving at least one token to compute."""
+        probe = req.tokens[:-1] if self.config.prefix_reuse else []
+        match = self.cache.match_prefix(probe)
+        return match.slots, match.node
+
+    def _add_entry(
+        self, draft: _Draft, req: Request, slots: list[int], reuse: list[int] | None
+    ) -> None:
+        start = len(req.row)
+        tokens = req.tokens[start : start + len(slots)]
+        sample = len(slots) == req.pending
+        draft.entries.append(Entry(req.req_id, start, tokens, slots, sample, reuse))
+        draft.reqs.append(req)
+        draft.budget -= len(slots)
+        req.row.extend(slots)
+        req.private.update(slots)
+
+    # ---- relief ladder -------------------------------------------------------
+
+    def _alloc(self, n: int, draft: _Draft, asker: Request | None) -> list[int] | None:
+        """n slots, cheapest relief first: evict unlocked cache, then, for a
+        running asker, retract the newest idle request (possibly the asker
+        itself, which then waits); None means the asker waits or parks."""
+        short = n - self.allocator.available
+        if short > 0:
+            self.cache.evict(short)  # the cache logs asked and freed
+        while asker is not None and n > self.allocator.available:
+            victim = self._retract_candidate(draft)
+            if victim is None:
+                break
+            self._retract(victim)
+            if victim is asker:
+                return None
+        try:
+            return self.allocator.alloc(n)
+        except OutOfSlots:
+            return None
+
+    def _retract_candidate(self, draft: _Draft) -> Request | None:
+        for req in reversed(self.running):
+            if not req.in_flight and req not in draft.reqs:
+                return req
+        return None
+
+    def _retract(self, req: Request) -> None:
+        """Free a running request's KV and requeue it for re-prefill."""
+        log.info("request.retracted", req=req.req_id, freed=len(req.private))
+        self._release(req)
+        self.running.remove(req)
+        req.phase = Phase.WAITING
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(sorted(req.private))
+        self.cache.unlock(req.node)
+        req.private, req.row, req.node = set(), [], None
+
+    # ---- terminals -----------------------------------------------------------
+
+    def on_output(self, out: Output) -> list[Request]:
+        """Apply one pass's sampled tokens; returns the requests it touched."""
+        record = self.in_flight.pop(out.pass_id)
+        self.fallbacks += out.fallbacks
+        sampled = iter(range(len(out.tokens)))
+        for entry, req in zip(record.decision.entries, record.reqs, strict=True):
+            req.in_flight = False
+            if entry.sample:
+                self._take_token(req, out, next(sampled))
+            elif self.config.prefix_reuse and req.prefilling:
+                self._insert(req)
+            reason = req.abort_reason or (req.stop_reason(self.config.max_model_len) if entry.sample else None)
+            if reason is not None:
+                self._finish(req, reason)
+        return record.reqs
+
+    def _take_token(self, req: Request, out: Output, i: int) -> None:
+        first = not req.output
+        req.output.append(out.tokens[i])
+        if out.logprobs is not None:
+            req.logprobs.append(out.logprobs[i])
+        if out.top_logprobs is not None:
+            top = out.top_logprobs[i]
+            req.top_logprobs.append(dict(zip(top.token_ids, top.logprobs, strict=True)))
+        if first and self.config.prefix_reuse:
+            self._insert(req)
+
+    def on_void(self, void: Void) -> list[Request]:
+        """Roll a voided pass back: free what it allocated, restore each
+        request to its pre-pass state, requeue within the retry budget."""
+        record = self.in_flight.pop(void.pass_id)
+        self.voids += 1
+        log.warning("pass.void", pass_id=void.pass_id, rank=void.rank, reason=void.reason)
+        for entry, req in reversed(list(zip(record.decision.entries, record.reqs, strict=True))):
+            req.in_flight = False
+            del req.row[entry.start :]
+            self.allocator.free(entry.slots)
+            req.private.difference_update(entry.slots)
+            if entry.reuse is not None:
+                self._unadmit(req)
+            req.retries += 1
+            if req.abort_reason or req.retries > self.config.max_retries:
+                why = req.abort_reason or f"error: pass {void.pass_id} void on rank {void.rank}: {void.reason}"
+                self.abort(req.req_id, why)
+        return record.reqs
+
+    def _unadmit(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.phase = Phase.WAITING
+        self.waiting.appendleft(req)
+
+    def _insert(self, req: Request) -> None:
+        """Hand the request's confirmed KV to the radix cache and lock it."""
+        dups = self.cache.insert(req.tokens[: len(req.row)], req.row)
+        req.private = set(dups)
+        match = self.cache.match_prefix(req.tokens[: len(req.row)])
+        self.cache.lock(match.node)
+        self.cache.unlock(req.node)
+        req.node = match.node
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if self.config.prefix_reuse and req.row and not reason.startswith(("abort", "error")):
+            self._insert(req)
+        if req.phase is Phase.RUNNING:
+            self.running.remove(req)
+            self._to_drop.append(req.req_id)
+        if req.node is not None:
+            self._release(req)
+        req.phase, req.finish_reason = Phase.FINISHED, reason
+        log.info("request.finished", req=req.req_id, reason=reason, tokens=len(req.output))
+
+    def forget(self, req_id: int) -> None:
+        """Drop a finished request from the table once its result is delivered."""
+        req = self.requests.pop(req_id)
+        if req.phase is not Phase.FINISHED:
+            raise ValueError(f"request {req_id} is still {req.phase.value}")
+
+    # ---- accounting ----------------------------------------------------------
+
+    def census(self) -> Census:
+        held = sum(len(r.private) for r in self.running)
+        return take_census(self.allocator, self.cache, held)

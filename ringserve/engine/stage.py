@@ -1,0 +1,59 @@
+"""What every rank does with a decision: apply it to the replica, run the
+rank's layers, and (on the last rank) sample. Rank 0 uses the same stage for
+its own layers, so there is one definition of a pass's execution."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from ringserve.engine.replica import Replica, Row
+from ringserve.engine.runner import Runner
+from ringserve.ring.messages import Decision, Output
+
+log = structlog.get_logger(__name__)
+
+
+class PassFailed(RuntimeError):
+    """This rank cannot run the pass; the reason travels as a void."""
+
+
+class Stage:
+    """Invariant: decisions are applied in pass order, each exactly once."""
+
+    def __init__(self, runner: Runner, rank: int, kv_epoch: int = 0) -> None:
+        self.runner = runner
+        self.rank = rank
+        self.replica = Replica()
+        self.kv_epoch = kv_epoch
+
+    def apply(self, decision: Decision) -> list[Row]:
+        rows = self.replica.apply(decision)
+        log.debug("decision.applied", rank=self.rank, pass_id=decision.pass_id)
+        return rows
+
+    def compute(
+        self, decision: Decision, rows: list[Row], hidden: torch.Tensor | None
+    ) -> torch.Tensor | Output:
+        """Run this rank's layers; the last rank returns the pass's Output.
+        Raises PassFailed when the pass cannot run here."""
+        if decision.kv_epoch != self.kv_epoch:
+            raise PassFailed(f"kv epoch {decision.kv_epoch} is not this rank's {self.kv_epoch}")
+        began = time.monotonic()
+        try:
+            batch = self.runner.batch(decision, rows)
+            out = self.runner.forward(decision, batch, hidden)
+            if self.runner.last:
+                out = self.runner.sample(decision, rows, batch, out)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            raise PassFailed(f"{type(exc).__name__}: {exc}") from exc
+        log.debug(
+            "pass.forward",
+            rank=self.rank,
+            pass_id=decision.pass_id,
+            tokens=batch.num_tokens,
+            ms=round((time.monotonic() - began) * 1e3, 3),
+        )
+        return out

@@ -1,0 +1,54 @@
+"""Detokenisation and stop strings on rank 0: the text of one request,
+released delta by delta and cut at the first stop string."""
+
+from __future__ import annotations
+
+from ringserve.models.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class TextStream:
+    """Invariant: `text` is everything released so far; text that could be
+    the start of a stop string is held back until it is decided."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = ()) -> None:
+        self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self._stop = stop
+        self._held = ""
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Feed one generated token; returns the text it releases."""
+        if self.stopped or self._decoder is None:
+            return ""
+        self._held += self._decoder.push(token_id)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Release what was held back once generation has ended."""
+        return "" if self.stopped else self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        # Held-back text is every suffix that could begin a stop string, so a
+        # stop string can only start inside what is held.
+        hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            delta = self._held[: min(hits)]
+            self._held, self.stopped = "", True
+        else:
+            keep = 0 if final else _partial_stop(self._held, self._stop)
+            delta = self._held[: len(self._held) - keep]
+            self._held = self._held[len(delta) :]
+        self.text += delta
+        return delta
+
+
+def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that begins some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best

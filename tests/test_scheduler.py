@@ -1,0 +1,220 @@
+"""Rank 0's scheduler with a real allocator and radix cache. The model is
+replaced by a deterministic token oracle: the scheduler never sees tensors,
+so this drives exactly the code the engine runs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ringserve.cache.allocator import SlotAllocator
+from ringserve.cache.census import check_census
+from ringserve.cache.radix import RadixCache
+from ringserve.engine.request import RequestFactory
+from ringserve.engine.params import SamplingParams
+from ringserve.engine.replica import Replica
+from ringserve.engine.request import Phase
+from ringserve.engine.scheduler import Scheduler, SchedulerConfig
+from ringserve.ring.messages import Decision, Output, Void
+
+
+def make(capacity: int = 256, **overrides) -> Scheduler:
+    cfg = SchedulerConfig(max_model_len=1024, **overrides)
+    alloc = SlotAllocator(capacity)
+    return Scheduler(cfg, alloc, RadixCache(alloc))
+
+
+def oracle(decision: Decision) -> Output:
+    """Token = (last input token + 1) % 97 for every sampled entry."""
+    tokens = [(e.tokens[-1] + 1) % 97 for e in decision.entries if e.sample]
+    return Output(decision.pass_id, tokens)
+
+
+def run_all(sched: Scheduler, replica: Replica | None = None, max_passes: int = 10_000) -> list[Decision]:
+    decisions = []
+    for _ in range(max_passes):
+        d = sched.schedule()
+        if d is None:
+            break
+        decisions.append(d)
+        if replica is not None:
+            rows = replica.apply(d)
+            for e, row in zip(d.entries, rows, strict=True):
+                assert row.slots == sched.requests[e.req_id].row
+        sched.on_output(oracle(d))
+        check_census(sched.census())
+    assert sched.idle, "scheduler stopped with work left"
+    return decisions
+
+
+def submit(sched: Scheduler, factory: RequestFactory, prompt: list[int], max_tokens: int = 4):
+    req = factory(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    sched.add(req)
+    return req
+
+
+@pytest.fixture
+def factory() -> RequestFactory:
+    return RequestFactory(frozenset())
+
+
+def test_generates_max_tokens_and_frees_everything(factory):
+    sched = make()
+    reqs = [submit(sched, factory, [1, 2, 3, i], max_tokens=5) for i in range(4)]
+    run_all(sched)
+    for r in reqs:
+        assert r.phase is Phase.FINISHED and r.finish_reason == "length"
+        assert r.output == [(r.prompt[-1] + 1 + k) % 97 for k in range(5)]
+    census = sched.census()
+    assert census.held_by_running == 0 and census.cached_locked == 0
+
+
+def test_long_prompt_is_chunked_and_samples_only_at_its_end(factory):
+    sched = make(chunk_size=8, max_tokens_per_pass=8)
+    submit(sched, factory, list(range(20)), max_tokens=1)
+    decisions = run_all(sched)
+    chunks = [d.entries[0] for d in decisions]
+    assert [len(e.tokens) for e in chunks] == [8, 8, 4]
+    assert [e.start for e in chunks] == [0, 8, 16]
+    assert [e.sample for e in chunks] == [False, False, True]
+
+
+def test_shared_prefix_is_reused_after_the_first_request_returns(factory):
+    sched = make()
+    prefix = list(range(30))
+    first = submit(sched, factory, prefix + [50])
+    run_all(sched)
+    second = submit(sched, factory, prefix + [60, 61])
+    d = sched.schedule()
+    entry = d.entries[0]
+    assert entry.reuse is not None and len(entry.reuse) == 30
+    assert entry.start == 30 and entry.tokens == [60, 61]
+    assert second.cached_tokens == 30 and first.cached_tokens == 0
+    sched.on_output(oracle(d))
+    run_all(sched)
+
+
+def test_decodes_and_new_prefills_share_one_pass(factory):
+    sched = make()
+    submit(sched, factory, [1, 2, 3], max_tokens=3)
+    d0 = sched.schedule()
+    sched.on_output(oracle(d0))
+    submit(sched, factory, [9, 9, 9, 9])
+    d1 = sched.schedule()
+    assert [len(e.tokens) for e in d1.entries] == [1, 4]
+    assert d1.entries[0].reuse is None and d1.entries[1].reuse is not None
+
+
+def test_pressure_evicts_then_retracts_and_everything_finishes(factory):
+    sched = make(capacity=40, chunk_size=16)
+    rng = random.Random(7)
+    reqs = [
+        submit(sched, factory, [rng.randrange(5) for _ in range(rng.randrange(5, 14))], 12)
+        for _ in range(8)
+    ]
+    replica = Replica()
+    run_all(sched, replica)
+    assert all(r.finish_reason == "length" and len(r.output) == 12 for r in reqs)
+
+
+def test_retraction_reprefills_prompt_and_output(factory):
+    sched = make(capacity=20, chunk_size=32)
+    a = submit(sched, factory, [1] * 6, max_tokens=8)
+    b = submit(sched, factory, [2] * 6, max_tokens=8)
+    replica = Replica()
+    decisions = run_all(sched, replica)
+    assert a.output == [(1 + 1 + k) % 97 for k in range(8)]
+    assert b.output == [(2 + 1 + k) % 97 for k in range(8)]
+    # b was pushed out while a decoded, and re-entered with its output so far
+    reentries = [e for d in decisions for e in d.entries if e.req_id == b.req_id and e.reuse is not None]
+    assert len(reentries) >= 2
+
+
+def test_void_rolls_back_slots_and_retries(factory):
+    sched = make()
+    req = submit(sched, factory, list(range(10)), max_tokens=3)
+    free_before = sched.allocator.available
+    d = sched.schedule()
+    sched.on_void(Void(d.pass_id, 1, "forward raised"))
+    assert sched.allocator.available == free_before
+    assert req.phase is Phase.WAITING and req.row == [] and req.retries == 1
+    check_census(sched.census())
+    run_all(sched)
+    assert req.finish_reason == "length" and sched.voids == 1
+
+
+def test_void_of_a_decode_truncates_the_row_to_its_start(factory):
+    sched = make()
+    req = submit(sched, factory, [4, 5, 6], max_tokens=4)
+    sched.on_output(oracle(sched.schedule()))
+    row = list(req.row)
+    d = sched.schedule()
+    sched.on_void(Void(d.pass_id, 2, "oom"))
+    assert req.row == row and req.phase is Phase.RUNNING
+    replica = Replica()
+    run_all(sched)
+    assert req.output == [7, 8, 9, 10]
+    assert replica.rows == {}
+
+
+def test_retry_budget_exhausted_fails_the_request_with_the_reason(factory):
+    sched = make(max_retries=2)
+    req = submit(sched, factory, [1, 2, 3])
+    for _ in range(3):
+        d = sched.schedule()
+        sched.on_void(Void(d.pass_id, 1, "forward raised"))
+    assert req.phase is Phase.FINISHED
+    assert "void on rank 1" in req.finish_reason and "forward raised" in req.finish_reason
+    assert sched.schedule() is None
+    check_census(sched.census())
+    assert sched.census().held_by_running == 0
+
+
+def test_replica_replays_decisions_after_voids_identically(factory):
+    sched = make(capacity=64, chunk_size=8)
+    for i in range(5):
+        submit(sched, factory, [i] * (5 + 3 * i), max_tokens=6)
+    replica = Replica()
+    n = 0
+    while (d := sched.schedule()) is not None:
+        rows = replica.apply(d)
+        n += 1
+        if n % 4 == 0:
+            sched.on_void(Void(d.pass_id, 1, "injected"))
+        else:
+            for e, row in zip(d.entries, rows, strict=True):
+                assert row.slots == sched.requests[e.req_id].row
+            sched.on_output(oracle(d))
+        check_census(sched.census())
+    assert sched.idle and sched.voids > 0
+
+
+def test_abort_of_a_running_request_frees_its_slots(factory):
+    sched = make()
+    req = submit(sched, factory, list(range(12)), max_tokens=50)
+    sched.on_output(oracle(sched.schedule()))
+    sched.abort(req.req_id)
+    assert req.finish_reason == "abort"
+    census = sched.census()
+    assert census.held_by_running == 0 and census.cached_locked == 0
+
+
+def test_passes_in_flight_never_hold_one_request_twice(factory):
+    sched = make(passes_in_flight=3)
+    for i in range(6):
+        submit(sched, factory, [i, i + 1], max_tokens=3)
+    live = []
+    while (d := sched.schedule()) is not None:
+        live.append(d)
+    ids = [e.req_id for d in live for e in d.entries]
+    assert len(ids) == len(set(ids)) and len(live) <= 3
+
+
+def test_bad_prompts_are_refused_with_a_reason(factory):
+    sched = make(capacity=16)
+    with pytest.raises(ValueError, match="empty"):
+        sched.add(factory([], SamplingParams()))
+    with pytest.raises(ValueError, match="KV pool"):
+        sched.add(factory(list(range(20)), SamplingParams()))
+    assert sched.idle
