@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ringserve.engine.core import Engine, EngineConfig
+from ringserve.engine.boot import EngineConfig
+from ringserve.engine.core import Engine
 from ringserve.engine.params import RequestOutput, SamplingParams
-from ringserve.engine.request import Phase, Request
+from ringserve.engine.handle import RequestHandle
+from ringserve.engine.local_ring import LocalRing
 from ringserve.engine.textstream import TextStream
 from ringserve.models.builtin import builtin_model_dir
 
@@ -27,79 +29,77 @@ class LLM:
         dtype: str = "float32",
         rank_memory_mib: list[int] | None = None,
         layer_split: list[int] | None = None,
+        log_dir: str | None = None,
         **engine_options: Any,
     ) -> None:
         model_dir = Path(model) if model is not None else builtin_model_dir()
         if pp_size < 1:
             raise ValueError("pp_size must be >= 1")
-        if pp_size > 1:
-            raise NotImplementedError("pp_size > 1 needs the ring, which this build lacks")
-        self.config = EngineConfig(model_dir=model_dir, dtype=dtype, **engine_options)
-        self._engine: Engine | None = Engine(self.config)
-
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            raise RuntimeError("this LLM is closed")
-        return self._engine
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+        split = tuple(layer_split) if layer_split is not None else None
+        self.config = EngineConfig(model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options)
+        self.pp_size = pp_size
+        self._engine: Engine | None = None
+        self._ring: LocalRing | None = None
+        if pp_size == 1:
+            self._engine = Engine(self.config)
+            self.tokenizer = self._engine.tokenizer
+        else:
+            self._ring = LocalRing(self.config, pp_size, log_dir=log_dir)
+            self.tokenizer = self._ring.conductor.tokenizer
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order."""
+        """One RequestOutput per prompt, in prompt order. Raises RuntimeError
+        naming the cause when the ring fails underneath."""
         prompts = _as_prompt_list(prompts)
         per_prompt = _per_prompt(params, len(prompts))
-        engine = self.engine
-        reqs = [engine.submit(self._encode(p), sp) for p, sp in zip(prompts, per_prompt, strict=True)]
-        streams = {r.req_id: TextStream(engine.tokenizer, r.params.stop) for r in reqs}
-        fed = dict.fromkeys(streams, 0)
-        while any(r.phase is not Phase.FINISHED for r in reqs):
+        ids = [self._encode(p) for p in prompts]
+        if self._ring is not None:
+            outputs = self._ring.generate(ids, per_prompt)
+        elif self._engine is not None:
+            outputs = self._run_local(self._engine, ids, per_prompt)
+        else:
+            raise RuntimeError("this LLM is closed")
+        failed = [o.finish_reason for o in outputs if (o.finish_reason or "").startswith("error")]
+        if failed and self._ring is not None and self._ring.conductor.failure is not None:
+            raise RuntimeError(f"generation failed: {self._ring.conductor.failure}")
+        return outputs
+
+    @staticmethod
+    def _run_local(
+        engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        handles = {}
+        for p, sp in zip(prompts, params, strict=True):
+            req = engine.submit(p, sp)
+            handles[req.req_id] = RequestHandle(req, TextStream(engine.tokenizer, sp.stop))
+        live = dict(handles)
+        while live:
             touched = engine.step()
             if not touched and not engine.scheduler.in_flight:
                 raise RuntimeError(f"engine made no progress: {engine.scheduler.census()}")
             for req in touched:
-                self._feed(req, streams[req.req_id], fed)
-        outputs = [self._result(r, streams[r.req_id]) for r in reqs]
-        for r in reqs:
-            engine.scheduler.forget(r.req_id)
-        return outputs
+                handle = live.get(req.req_id)
+                if handle is not None and handle.advance(engine.scheduler) and handle.done:
+                    del live[req.req_id]
+                    engine.scheduler.forget(req.req_id)
+        return [h.output() for h in handles.values()]
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            if self.engine.tokenizer is None:
+            if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
-            return self.engine.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
-
-    def _feed(self, req: Request, stream: TextStream, fed: dict[int, int]) -> None:
-        for token in req.output[fed[req.req_id] :]:
-            stream.push(token)
-        fed[req.req_id] = len(req.output)
-        if stream.stopped and req.phase is not Phase.FINISHED:
-            self.engine.scheduler.abort(req.req_id, "stop")
-
-    @staticmethod
-    def _result(req: Request, stream: TextStream) -> RequestOutput:
-        stream.finish()
-        return RequestOutput(
-            request_id=req.req_id,
-            prompt_token_ids=req.prompt,
-            token_ids=list(req.output),
-            text=stream.text,
-            finish_reason=req.finish_reason,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
-            cached_tokens=req.cached_tokens,
-        )
 
     def close(self) -> None:
         self._engine = None
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
     def __enter__(self) -> LLM:
         return self

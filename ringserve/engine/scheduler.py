@@ -236,6 +236,7 @@ class Scheduler:
         sampled = iter(range(len(out.tokens)))
         for entry, req in zip(record.decision.entries, record.reqs, strict=True):
             req.in_flight = False
+            req.retries = 0  # the budget bounds consecutive voids
             if entry.sample:
                 self._take_token(req, out, next(sampled))
             elif self.config.prefix_reuse and req.prefilling:

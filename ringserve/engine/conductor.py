@@ -1,0 +1,264 @@
+"""Rank 0's loop: the only scheduler, its own stage, and the ring (DESIGN §3).
+
+Rank 0 keeps up to S passes in flight. For each pass it applies the decision
+to its own replica, sends it down the ring, runs its layers in an executor
+thread (so the loop, and the HTTP server on it, stay responsive) and sends
+the hidden states after it. Exactly one terminal, Output or Void, comes back
+per pass from the last rank. With one rank the pass ends locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import structlog
+
+from ringserve.engine.handle import RequestHandle
+from ringserve.engine.metrics import Metrics
+from ringserve.engine.params import SamplingParams
+from ringserve.engine.request import Request, RequestFactory
+from ringserve.engine.scheduler import Scheduler
+from ringserve.engine.stage import PassFailed, Stage
+from ringserve.engine.textstream import TextStream
+from ringserve.models.tokenizer import Tokenizer
+from ringserve.ring.faults import FaultPlan
+from ringserve.ring.inbox import Inbox
+from ringserve.ring.link import LinkError, SendLink
+from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
+from ringserve.ring.watchdog import Health, Owed, watched
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class RingPorts:
+    """Rank 0's ends of the ring: the link to rank 1 and the inbox fed by
+    the link from the last rank."""
+
+    send: SendLink
+    inbox: Inbox
+    last_rank: int
+
+
+class Conductor:
+    """Invariant: every pass sent is in `scheduler.in_flight` until its one
+    terminal is applied; a request's handle gets every token exactly once."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        stage: Stage,
+        tokenizer: Tokenizer | None,
+        new_request: RequestFactory,
+        *,
+        ring: RingPorts | None = None,
+        faults: FaultPlan | None = None,
+        wedge_timeout_s: float = 30.0,
+        heartbeat_s: float = 1.0,
+        executor: Executor | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.stage = stage
+        self.tokenizer = tokenizer
+        self.new_request = new_request
+        self.ring = ring
+        self.faults = faults if faults is not None else FaultPlan.parse("", 0)
+        self.wedge_timeout_s = wedge_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.executor = executor if executor is not None else ThreadPoolExecutor(1, "forward")
+        self.health = Health(rank=0)
+        self.metrics = Metrics()
+        self.handles: dict[int, RequestHandle] = {}
+        self._wake = asyncio.Event()
+        self._launched = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.failure: str | None = None
+        self.last_heartbeat_rtt_s: float | None = None
+        self.on_failure: Callable[[str], None] | None = None
+
+    # ---- the caller's side ---------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request; raises ValueError for one that can never run."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        req = self.new_request(prompt, params)
+        self.scheduler.add(req)
+        handle = RequestHandle(req, TextStream(self.tokenizer, params.stop))
+        self.handles[req.req_id] = handle
+        self.metrics.requests_total += 1
+        self.metrics.prompt_tokens += len(prompt)
+        self._wake.set()
+        return handle
+
+    def abort(self, req_id: int, reason: str = "abort") -> None:
+        self.scheduler.abort(req_id, reason)
+        self._deliver([self.scheduler.requests[req_id]] if req_id in self.scheduler.requests else [])
+        self._wake.set()
+
+    # ---- running -------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until the ring fails or the task is cancelled."""
+        jobs = [self._pump()]
+        if self.ring is not None:
+            jobs += [self._terminals(), self._heartbeats()]
+        self._tasks = [asyncio.create_task(j) for j in jobs]
+        try:
+            await asyncio.gather(*self._tasks)
+        except LinkError as exc:
+            self.fail(f"rank {exc.peer} is gone: {exc.reason}")
+        finally:
+            for t in self._tasks:
+                t.cancel()
+
+    async def _pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            decision = self.scheduler.schedule()
+            if decision is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._launch(loop, decision)
+
+    async def _launch(self, loop: asyncio.AbstractEventLoop, decision: Decision) -> None:
+        p = decision.pass_id
+        log.debug("decision.made", rank=0, pass_id=p, digest=decision.digest())
+        rows = self.stage.apply(decision)
+        if self.ring is not None:
+            await self.ring.send.send(decision)
+            self._launched.set()
+        if self.faults.should_crash(p):
+            log.error("fault.crash", rank=0, pass_id=p)
+            os._exit(17)
+        try:
+            if self.faults.should_void(p):
+                raise PassFailed("injected void")
+            result = await loop.run_in_executor(self.executor, self.stage.compute, decision, rows, None)
+        except PassFailed as exc:
+            if self.ring is None:
+                self._on_terminal(Void(p, 0, str(exc)))
+            else:
+                await self.ring.send.send(Hidden(p, void=str(exc), void_rank=0))
+            return
+        if self.ring is None:
+            self._on_terminal(result)
+        elif not self.faults.should_drop(Hidden, p):
+            await self.ring.send.send(Hidden(p), [result])
+
+    async def _terminals(self) -> None:
+        """Await the one terminal owed for the oldest pass in flight."""
+        assert self.ring is not None
+        while True:
+            if not self.scheduler.in_flight:
+                self._launched.clear()
+                await self._launched.wait()
+                continue
+            oldest = min(self.scheduler.in_flight)
+            what = Owed(oldest, Output, self.ring.last_rank)
+            msg = await watched(self._next_terminal(), what, self.wedge_timeout_s, self.health)
+            if msg.pass_id != oldest:
+                raise LinkError(self.ring.last_rank, f"terminal of pass {msg.pass_id}, owed {oldest}")
+            self._on_terminal(msg)
+
+    async def _next_terminal(self) -> Output | Void:
+        assert self.ring is not None
+        inbox = self.ring.inbox
+        gets = [asyncio.ensure_future(inbox.get(Output)), asyncio.ensure_future(inbox.get(Void))]
+        done, pending = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        first = gets[0] if gets[0] in done else gets[1]
+        if len(done) == 2:  # both arrived in one tick: keep the later one queued
+            other = gets[1] if first is gets[0] else gets[0]
+            inbox.put(*other.result())
+        return first.result()[0]
+
+    def _on_terminal(self, msg: Output | Void) -> None:
+        if isinstance(msg, Output):
+            touched = self.scheduler.on_output(msg)
+            self.metrics.passes += 1
+            self.metrics.sampling_fallbacks += msg.fallbacks
+            self.metrics.generation_tokens += len(msg.tokens)
+        else:
+            touched = self.scheduler.on_void(msg)
+            self.metrics.voids += 1
+        self.health.mark_progress()
+        self._deliver(touched)
+        self._wake.set()
+
+    def _deliver(self, touched: list[Request]) -> None:
+        now = time.monotonic()
+        for req in touched:
+            handle = self.handles.get(req.req_id)
+            if handle is None or handle.done:
+                continue
+            delta = handle.advance(self.scheduler)
+            if delta is None:
+                continue
+            if delta.token_ids:
+                began = handle.last_token_at
+                (self.metrics.ttft if began is None else self.metrics.tpot).observe(
+                    now - (handle.submitted if began is None else began)
+                )
+                handle.last_token_at = now
+            if handle.done:
+                self._retire(handle)
+
+    def _retire(self, handle: RequestHandle) -> None:
+        req = handle.req
+        self.metrics.cache_hit_tokens += req.cached_tokens
+        if req.finish_reason and req.finish_reason.startswith("error"):
+            self.metrics.requests_failed += 1
+        del self.handles[req.req_id]
+        self.scheduler.forget(req.req_id)
+
+    async def _heartbeats(self) -> None:
+        """While idle, send a heartbeat round the ring and watch it return."""
+        assert self.ring is not None
+        seq = 0
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self.scheduler.in_flight:
+                continue
+            seq += 1
+            sent = time.monotonic()
+            await self.ring.send.send(Control(ControlKind.HEARTBEAT, seq=seq))
+            what = Owed(self.scheduler.next_pass_id - 1, Control, self.ring.last_rank)
+            await watched(self._heartbeat_back(seq), what, self.wedge_timeout_s, self.health)
+            self.last_heartbeat_rtt_s = time.monotonic() - sent
+            log.debug("heartbeat.back", seq=seq, rtt_ms=round(self.last_heartbeat_rtt_s * 1e3, 3))
+
+    async def _heartbeat_back(self, seq: int) -> None:
+        assert self.ring is not None
+        while True:
+            msg, _ = await self.ring.inbox.get(Control)
+            if msg.kind is ControlKind.HEARTBEAT and msg.seq == seq:
+                return
+
+    # ---- failure -------------------------------------------------------------
+
+    def fail(self, reason: str) -> None:
+        """The ring is broken: fail every live request with the reason."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self.health.mark_dead(reason)
+        log.error("ring.failed", rank=0, reason=reason)
+        for handle in list(self.handles.values()):
+            req = handle.req
+            req.in_flight = False
+            self.scheduler.abort(req.req_id, f"error: {reason}")
+            handle.take_new_tokens()
+        self.handles.clear()
+        for task in self._tasks:
+            task.cancel()
+        if self.on_failure is not None:
+            self.on_failure(reason)

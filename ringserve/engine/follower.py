@@ -1,0 +1,142 @@
+"""The loop of every rank after rank 0 (DESIGN §3): replay decisions, run
+layers, pass exactly one Hidden per pass on, and, on the last rank, answer
+rank 0 with exactly one terminal per pass. A follower never decides."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import Executor, ThreadPoolExecutor
+
+import structlog
+import torch
+
+from ringserve.engine.replica import ReplicaMismatch, Row
+from ringserve.engine.stage import PassFailed, Stage
+from ringserve.ring.faults import FaultPlan
+from ringserve.ring.inbox import Inbox
+from ringserve.ring.link import SendLink
+from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
+from ringserve.ring.watchdog import Health, Owed, watched
+
+log = structlog.get_logger(__name__)
+
+
+class Follower:
+    """Invariant: for every Decision received, exactly one message goes on:
+    a Hidden (tensor or void marker) to the successor, or, on the last rank,
+    an Output or Void to rank 0 (unless a `drop` fault says otherwise)."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        inbox: Inbox,
+        send: SendLink,
+        *,
+        last: bool,
+        faults: FaultPlan,
+        wedge_timeout_s: float = 30.0,
+        executor: Executor | None = None,
+    ) -> None:
+        self.stage = stage
+        self.rank = stage.rank
+        self.inbox = inbox
+        self.send = send
+        self.last = last
+        self.faults = faults
+        self.wedge_timeout_s = wedge_timeout_s
+        self.executor = executor if executor is not None else ThreadPoolExecutor(1, "forward")
+        self.health = Health(rank=self.rank)
+        self.stopped = asyncio.Event()
+
+    async def run(self) -> None:
+        """Until rank 0's SHUTDOWN comes round, or a link fails (raises)."""
+        passes = asyncio.create_task(self._passes())
+        controls = asyncio.create_task(self._controls())
+        try:
+            await asyncio.wait({passes, controls}, return_when=asyncio.FIRST_COMPLETED)
+            if passes.done() and not controls.done():
+                # The link ends right after SHUTDOWN; let the control loop
+                # take it before judging the end a failure.
+                await asyncio.wait({controls}, timeout=1.0)
+            if controls.done():
+                controls.result()
+                return
+            passes.result()
+        finally:
+            passes.cancel()
+            controls.cancel()
+
+    async def _controls(self) -> None:
+        while True:
+            msg, _ = await self.inbox.get(Control)
+            if msg.kind is ControlKind.SHUTDOWN:
+                log.info("ring.shutdown", rank=self.rank)
+                await self.send.close()
+                return
+            await self.send.send(msg)
+
+    async def _passes(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            decision, _ = await self.inbox.get(Decision)
+            await self._run_pass(loop, decision)
+
+    async def _run_pass(self, loop: asyncio.AbstractEventLoop, decision: Decision) -> None:
+        p = decision.pass_id
+        if self.faults.should_crash(p):
+            log.error("fault.crash", rank=self.rank, pass_id=p)
+            os._exit(17)
+        rows, void = self._apply(decision)
+        if not self.last:
+            await self.send.send(decision)
+        upstream = Owed(p, Hidden, self.rank - 1)
+        hidden, tensors = await watched(self.inbox.get(Hidden), upstream, self.wedge_timeout_s, self.health)
+        if hidden.pass_id != p:
+            raise RuntimeError(f"rank {self.rank} got hidden of pass {hidden.pass_id}, owed {p}")
+        void_rank = self.rank
+        if hidden.void is not None:
+            void, void_rank = hidden.void, hidden.void_rank
+        result = None
+        if void is None:
+            result, void = await self._compute(loop, decision, rows, tensors[0])
+        await self._pass_on(p, result, void, void_rank)
+
+    def _apply(self, decision: Decision) -> tuple[list[Row], str | None]:
+        try:
+            return self.stage.apply(decision), None
+        except ReplicaMismatch as exc:
+            log.error("replica.mismatch", rank=self.rank, pass_id=decision.pass_id, error=str(exc))
+            return [], f"replica mismatch: {exc}"
+
+    async def _compute(
+        self, loop: asyncio.AbstractEventLoop, decision: Decision, rows: list[Row], x: torch.Tensor
+    ) -> tuple[torch.Tensor | Output | None, str | None]:
+        if self.faults.should_void(decision.pass_id):
+            return None, "injected void"
+        try:
+            return await loop.run_in_executor(self.executor, self._forward, decision, rows, x), None
+        except PassFailed as exc:
+            return None, str(exc)
+
+    def _forward(self, decision: Decision, rows: list[Row], x: torch.Tensor) -> torch.Tensor | Output:
+        if self.faults.slow_ms:
+            time.sleep(self.faults.slow_ms / 1e3)
+        return self.stage.compute(decision, rows, x)
+
+    async def _pass_on(
+        self, p: int, result: torch.Tensor | Output | None, void: str | None, void_rank: int
+    ) -> None:
+        if void is not None:
+            log.warning("pass.void", rank=self.rank, pass_id=p, void_rank=void_rank, reason=void)
+        if self.faults.should_drop(Output if self.last else Hidden, p):
+            log.warning("fault.drop", rank=self.rank, pass_id=p)
+            return
+        if self.last:
+            assert void is not None or isinstance(result, Output)
+            await self.send.send(result if void is None else Void(p, void_rank, void))
+        elif void is not None:
+            await self.send.send(Hidden(p, void=void, void_rank=void_rank))
+        else:
+            await self.send.send(Hidden(p), [result])

@@ -1,0 +1,92 @@
+"""A submitted request as its caller sees it: text deltas in order, the last
+one carrying the finish reason."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ringserve.engine.params import RequestOutput
+from ringserve.engine.request import Phase, Request
+from ringserve.engine.scheduler import Scheduler
+from ringserve.engine.textstream import TextStream
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+class RequestHandle:
+    """Invariant: every token of `req.output` is delivered in exactly one
+    Delta, in order, and exactly one Delta has a finish reason (the last)."""
+
+    def __init__(self, req: Request, stream: TextStream) -> None:
+        self.req = req
+        self.stream = stream
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.fed = 0
+        self.submitted = time.monotonic()
+        self.last_token_at: float | None = None
+        self.done = False
+
+    @property
+    def req_id(self) -> int:
+        return self.req.req_id
+
+    def take_new_tokens(self) -> Delta | None:
+        """Turn the request's new tokens into a Delta (None if nothing new)."""
+        new = self.req.output[self.fed :]
+        finished = self.req.phase is Phase.FINISHED
+        if not new and not finished:
+            return None
+        text = "".join(self.stream.push(t) for t in new)
+        if finished:
+            text += self.stream.finish()
+        lp = self.req.logprobs[self.fed : len(self.req.output)] if self.req.params.logprobs is not None else None
+        top = self.req.top_logprobs[self.fed : len(self.req.output)] if self.req.params.logprobs else None
+        self.fed = len(self.req.output)
+        delta = Delta(text, new, lp, top, self.req.finish_reason if finished else None)
+        self.queue.put_nowait(delta)
+        self.done = finished
+        return delta
+
+    def advance(self, scheduler: Scheduler) -> Delta | None:
+        """Deliver new tokens; a stop string seen in the text ends the
+        request on the scheduler (finish reason `stop`)."""
+        delta = self.take_new_tokens()
+        if delta is not None and self.stream.stopped and not self.done:
+            scheduler.abort(self.req_id, "stop")
+            self.take_new_tokens()
+        return delta
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while True:
+            delta = await self.queue.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    async def result(self) -> RequestOutput:
+        async for _ in self.deltas():
+            pass
+        return self.output()
+
+    def output(self) -> RequestOutput:
+        req = self.req
+        return RequestOutput(
+            request_id=req.req_id,
+            prompt_token_ids=req.prompt,
+            token_ids=list(req.output),
+            text=self.stream.text,
+            finish_reason=req.finish_reason,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
+            cached_tokens=req.cached_tokens,
+        )

@@ -1,0 +1,203 @@
+"""A ring on this machine for the offline API: ranks 1..N-1 as child
+processes, rank 0's conductor on an event loop in a thread of the calling
+process, so `LLM.generate` stays synchronous for the user."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import replace
+
+import structlog
+
+from ringserve.engine.boot import (
+    EngineConfig,
+    build_rank_zero,
+    build_stage,
+    even_split,
+    layer_range,
+)
+from ringserve.engine.conductor import Conductor, RingPorts
+from ringserve.engine.handle import RequestHandle
+from ringserve.engine.params import RequestOutput, SamplingParams
+from ringserve.engine.rank import (
+    EXIT_LINK_FAILED,
+    RankSpec,
+    announce_ready,
+    child_command,
+    open_links,
+)
+from ringserve.models.config import ModelConfig
+from ringserve.ring.faults import FaultPlan
+from ringserve.ring.group import close_group, init_group
+
+log = structlog.get_logger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankProcesses:
+    """Child rank processes. Invariant: after `stop()` none is running."""
+
+    def __init__(self, specs: list[RankSpec], config: EngineConfig, log_dir: str | None) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+        for spec in specs:
+            cmd = child_command(spec, config) + (["--log-dir", log_dir] if log_dir else [])
+            self.procs[spec.rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def culprit(self) -> str | None:
+        """A rank that exited on its own (not because a link to it failed)."""
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None and code not in (0, EXIT_LINK_FAILED):
+                return f"rank {rank} exited with code {code}"
+        return None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                proc.wait(remaining)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class LocalRing:
+    """Invariant: while open, every child rank is alive or the conductor has
+    failed with the reason; `close()` leaves no process behind."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        pp_size: int,
+        *,
+        log_dir: str | None = None,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        cfg = ModelConfig.from_dir(config.model_dir)
+        split = list(config.layer_split or even_split(cfg.num_layers, pp_size))
+        if len(split) != pp_size or sum(split) != cfg.num_layers or min(split) < 1:
+            raise ValueError(
+                f"layer_split {split} must give {pp_size} ranks >= 1 layer each, "
+                f"{cfg.num_layers} layers in all"
+            )
+        self.config = replace(config, layer_split=tuple(split))
+        self.model_config = cfg
+        port = free_port()
+        self.specs = [RankSpec(r, pp_size, "127.0.0.1", port) for r in range(pp_size)]
+        self.children = RankProcesses(self.specs[1:], self.config, log_dir)
+        atexit.register(self.close)
+        self.loop = asyncio.new_event_loop()
+        self._ready: concurrent.futures.Future[Conductor] = concurrent.futures.Future()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._serve, name="rank0", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self.conductor = self._await_ready(startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_ready(self, timeout_s: float) -> Conductor:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                return self._ready.result(timeout=0.2)
+            except concurrent.futures.TimeoutError:
+                culprit = self.children.culprit()
+                if culprit is not None:
+                    raise RuntimeError(f"the ring did not start: {culprit}") from None
+        raise RuntimeError(f"the ring did not start within {timeout_s} s")
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as exc:  # reported to the caller waiting for readiness
+            if not self._ready.done():
+                self._ready.set_exception(exc)
+            log.error("rank0.stopped", error=repr(exc))
+        finally:
+            self.loop.close()
+
+    async def _main(self) -> None:
+        spec, config, cfg = self.specs[0], self.config, self.model_config
+        self._stop = asyncio.Event()
+        init_group(0, spec.world, spec.master_addr, spec.master_port)
+        stage = build_stage(config, cfg, layer_range(list(config.layer_split), 0), 0)
+        zero = build_rank_zero(config, cfg, passes_in_flight=spec.world)
+        ends = open_links(spec)
+        await announce_ready(ends, timeout_s=300.0)
+        conductor = Conductor(
+            zero.scheduler, stage, zero.tokenizer, zero.new_request,
+            ring=RingPorts(ends.send, ends.inbox, spec.world - 1),
+            faults=FaultPlan.from_env(0),
+            wedge_timeout_s=config.wedge_timeout_s,
+            heartbeat_s=config.heartbeat_s,
+        )  # fmt: skip
+        self._ready.set_result(conductor)
+        running = asyncio.create_task(conductor.run())
+        watching = asyncio.create_task(self._watch_children(conductor))
+        stopping = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        watching.cancel()
+        running.cancel()
+        await ends.send.close(timeout_s=5.0)  # sends SHUTDOWN round the ring
+        if conductor.failure is None:
+            await ends.recv.close(timeout_s=5.0)
+        conductor.executor.shutdown(wait=True)
+
+    async def _watch_children(self, conductor: Conductor) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            culprit = self.children.culprit()
+            if culprit is not None:
+                conductor.fail(culprit)
+                return
+
+    # ---- the caller's thread ---------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        fut = asyncio.run_coroutine_threadsafe(self._generate(prompts, params), self.loop)
+        return fut.result()
+
+    async def _generate(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        handles: list[RequestHandle] = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                handles.append(self.conductor.submit(p, sp))
+            return list(await asyncio.gather(*(h.result() for h in handles)))
+        except BaseException:
+            for h in handles:
+                self.conductor.abort(h.req_id)
+            raise
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._stop is not None and self.loop.is_running():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=15.0)
+        self.children.stop()
+        close_group()
