@@ -135,6 +135,7 @@ class LocalRing:
                 self._ready.set_exception(exc)
             log.error("rank0.stopped", error=repr(exc))
         finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
 
     async def _main(self) -> None:
@@ -174,7 +175,9 @@ class LocalRing:
 
     # ---- the caller's thread ---------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
         fut = asyncio.run_coroutine_threadsafe(self._generate(prompts, params), self.loop)
         return fut.result()
 

@@ -1,0 +1,260 @@
+"""The memory ledger of a plan: every figure the planner added up, per rank,
+where each figure came from, and how a plan renders them (DESIGN §5).
+
+A figure's provenance is one of:
+  "file"     read from safetensors headers, nothing loaded
+  "config"   derived from config.json
+  "measured" measured on the rank (free device memory, a dry forward)
+  "given"    passed on the command line or as an argument
+Figures summed from several sources carry them joined with "+".
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ringserve.models.config import _DTYPE_BYTES, ModelConfig
+
+log = structlog.get_logger(__name__)
+
+SOURCES = ("file", "config", "measured", "given")
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+CUDA_RESERVE_FRACTION = 20  # keep 1/20 of the card (at least CUDA_RESERVE_MIN) for the
+CUDA_RESERVE_MIN = GIB  # allocator's fragmentation and the kernels' own workspaces
+CPU_SHARE = 2  # on CPU, ranks share 1/CPU_SHARE of MemAvailable: the OS and others keep the rest
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """A non-negative byte count and its provenance."""
+
+    bytes: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bytes < 0:
+            raise ValueError(f"a memory figure cannot be negative: {self.bytes} bytes")
+        if any(part not in SOURCES for part in self.source.split("+")):
+            raise ValueError(f"unknown figure source {self.source!r}: one of {SOURCES}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "source": self.source}
+
+
+def total(figures: Iterable[Figure]) -> Figure:
+    """Sum of figures; the source lists each contributing provenance once."""
+    figures = list(figures)
+    if not figures:
+        raise ValueError("a total needs at least one figure")
+    sources = sorted({part for f in figures for part in f.source.split("+")}, key=SOURCES.index)
+    return Figure(sum(f.bytes for f in figures), "+".join(sources))
+
+
+def estimate_activations(
+    cfg: ModelConfig,
+    dtype: str,
+    *,
+    rank: int,
+    pp_size: int,
+    max_num_tokens_per_pass: int,
+    max_num_seqs: int = 256,
+) -> Figure:
+    """Peak transient bytes of one pass on `rank`, from the config. With
+    N = max_num_tokens_per_pass, S = min(N, max_num_seqs) sampled rows and
+    e = bytes of `dtype`:
+
+        every rank   N * e * (6h + 2q + 2kv + 3i)
+            6h: hidden and residual received, the normed input, the layer
+                output, hidden and residual to send (retained until delivered);
+            2q: queries and attention output; 2kv: new K and V rows;
+            3i: gate, up and their product. Layers run one after another, so
+                one layer's working set is live at a time.
+        last rank    + S * vocab * 8: float32 logits and probabilities.
+
+    Attention score matrices are not counted (the paged kernels stream over
+    the context); a dry forward on the rank measures what a backend really
+    takes, and its figure replaces this one."""
+    n, e = max_num_tokens_per_pass, _DTYPE_BYTES[dtype]
+    width = 6 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
+    peak = n * e * width
+    if rank == pp_size - 1:
+        peak += min(n, max_num_seqs) * cfg.vocab_size * 8
+    return Figure(peak, "config")
+
+
+def budgets_from_mib(rank_memory_mib: Sequence[int] | str) -> list[Figure]:
+    """`28000,9000,9000` or [28000, 9000, 9000] -> budgets of source "given"."""
+    if isinstance(rank_memory_mib, str):
+        rank_memory_mib = [int(part) for part in rank_memory_mib.split(",")]
+    return [Figure(int(mib) * MIB, "given") for mib in rank_memory_mib]
+
+
+def default_budgets(pp_size: int) -> list[Figure]:
+    """Measured budgets. CUDA: rank r runs on device r % device_count; its
+    budget is the device's free memory less a reserve (logged), shared equally
+    by the ranks on that device. CPU: 1/CPU_SHARE of MemAvailable, equally."""
+    import torch
+
+    if not torch.cuda.is_available():
+        available = _mem_available()
+        budget = available // CPU_SHARE // pp_size
+        log.info("plan.budget", device="cpu", available=available, share=budget, ranks=pp_size)
+        return [Figure(budget, "measured")] * pp_size
+    count = torch.cuda.device_count()
+    sharing = Counter(r % count for r in range(pp_size))
+    per_device = {}
+    for device, ranks in sorted(sharing.items()):
+        free, whole = torch.cuda.mem_get_info(device)
+        reserve = max(CUDA_RESERVE_MIN, whole // CUDA_RESERVE_FRACTION)
+        per_device[device] = max(0, free - reserve) // ranks
+        log.info("plan.budget", device=f"cuda:{device}", free=free, reserve=reserve, ranks=ranks)
+    return [Figure(per_device[r % count], "measured") for r in range(pp_size)]
+
+
+def _mem_available() -> int:
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError as exc:
+        raise PlanError(f"cannot read /proc/meminfo ({exc}): pass --rank-memory-mib") from exc
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise PlanError("/proc/meminfo has no MemAvailable: pass --rank-memory-mib")
+
+
+@dataclass(frozen=True, slots=True)
+class RankLedger:
+    """What one rank must hold. Invariant of a valid plan: headroom >= 0,
+    where headroom = budget - weights - kv - activations exactly."""
+
+    rank: int
+    layers: range
+    budget: Figure
+    weights: Figure
+    kv: Figure
+    activations: Figure
+
+    @property
+    def needs(self) -> int:
+        return self.weights.bytes + self.kv.bytes + self.activations.bytes
+
+    @property
+    def headroom(self) -> int:
+        return self.budget.bytes - self.needs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "layers": [self.layers.start, self.layers.stop],
+            "budget": self.budget.to_dict(),
+            "weights": self.weights.to_dict(),
+            "kv": self.kv.to_dict(),
+            "activations": self.activations.to_dict(),
+            "headroom": self.headroom,
+        }
+
+
+class PlanError(ValueError):
+    """No layer split fits. Carries the ledger of the rank that falls short
+    (in the best split there is) so callers can report it structurally."""
+
+    def __init__(self, message: str, shortfall: RankLedger | None = None) -> None:
+        super().__init__(message)
+        self.shortfall = shortfall
+
+
+def shortfall_message(entry: RankLedger, capacity_tokens: int, split: tuple[int, ...]) -> str:
+    """`rank 2 cannot hold its slice: needs 9.4 GiB, budget 9.0 GiB (...)`."""
+    layers = entry.layers
+    return (
+        f"rank {entry.rank} cannot hold its slice of {len(layers)} layers "
+        f"({layers.start}-{layers.stop - 1}) with a KV pool of {capacity_tokens} tokens: "
+        f"needs {_gib(entry.needs)} GiB, budget {_gib(entry.budget.bytes)} GiB, "
+        f"short by {_mib(-entry.headroom)} MiB (weights {_gib(entry.weights.bytes)}, "
+        f"KV {_gib(entry.kv.bytes)}, activations {_gib(entry.activations.bytes)}); "
+        f"that is the best layer split there is, {list(split)}: give rank {entry.rank} "
+        f"more memory, add a rank, or serve a smaller dtype"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A solved plan. Invariants: layer_split has one entry >= 1 per rank and
+    the ledger's layer ranges tile the model in order; every rank's KV pool
+    holds capacity_tokens (a multiple of page_size; like KVPool.capacity it
+    counts the padding slot 0); every headroom >= 0."""
+
+    layer_split: tuple[int, ...]
+    capacity_tokens: int
+    page_size: int
+    ledger: tuple[RankLedger, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layer_split)
+
+    def layers_of(self, rank: int) -> range:
+        return self.ledger[rank].layers
+
+    def table(self) -> str:
+        """One row per rank, figures in MiB with their provenance, then totals."""
+        head = ("rank", "layers", "budget", "weights", "KV", "activations", "headroom")
+        rows = [head] + [self._row(e) for e in self.ledger] + [self._totals()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = [
+            "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.insert(len(lines) - 1, lines[1])
+        lines.append(
+            f"T = {self.capacity_tokens} tokens on every rank "
+            f"(page {self.page_size}, {self.capacity_tokens // self.page_size} pages); "
+            f"figures in MiB"
+        )
+        return "\n".join(lines)
+
+    @staticmethod
+    def _row(e: RankLedger) -> tuple[str, ...]:
+        cells = [e.budget, e.weights, e.kv, e.activations]
+        span = f"{e.layers.start}-{e.layers.stop - 1} ({len(e.layers)})"
+        return (
+            str(e.rank),
+            span,
+            *(f"{_mib(f.bytes)} {f.source}" for f in cells),
+            _mib(e.headroom),
+        )
+
+    def _totals(self) -> tuple[str, ...]:
+        sums = [sum(getattr(e, k).bytes for e in self.ledger) for k in _COMPONENTS]
+        room = sum(e.headroom for e in self.ledger)
+        return ("all", f"{self.num_layers}", *(_mib(s) for s in sums), _mib(room))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form, for the `plan.solved` log event and GET /v1/plan."""
+        return {
+            "layer_split": list(self.layer_split),
+            "capacity_tokens": self.capacity_tokens,
+            "page_size": self.page_size,
+            "ranks": [e.to_dict() for e in self.ledger],
+            "totals": {k: sum(getattr(e, k).bytes for e in self.ledger) for k in _COMPONENTS},
+        }
+
+
+_COMPONENTS = ("budget", "weights", "kv", "activations")

@@ -1,0 +1,185 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE, GQA,
+SwiGLU. Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k before
+RoPE.
+
+q/k/v and gate/up projections are each fused into one matrix at load time
+(one matmul instead of three or two); the Hugging Face tensors are copied into
+row blocks of the fused weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringserve.cache.pool import KVPool
+from ringserve.engine.batch import ForwardBatch
+from ringserve.kernels import ops
+from ringserve.models.config import ModelConfig
+from ringserve.models.rope import RotaryEmbedding, apply_rope
+from ringserve.models.stage import StageModel, empty_param
+
+_SILU = {"silu", "swish"}
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer. `forward` takes the residual stream and the
+    not-yet-added output of the previous layer's MLP (None for the first
+    layer of a stage), so that addition fuses with this layer's input norm."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        hidden, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        p = {"dtype": dtype, "device": device}
+        self.cfg = cfg
+        self.scale = cfg.head_dim**-0.5
+        self.input_norm = empty_param(hidden, **p)
+        self.post_norm = empty_param(hidden, **p)
+        self.qkv = empty_param(q + 2 * kv, hidden, **p)
+        self.qkv_bias = empty_param(q + 2 * kv, **p) if cfg.attention_bias else None
+        self.o = empty_param(hidden, q, **p)
+        self.o_bias = empty_param(hidden, **p) if _o_bias(cfg) else None
+        self.q_norm = empty_param(cfg.head_dim, **p) if cfg.qk_norm else None
+        self.k_norm = empty_param(cfg.head_dim, **p) if cfg.qk_norm else None
+        self.gate_up = empty_param(2 * inter, hidden, **p)
+        self.down = empty_param(hidden, inter, **p)
+        self.mlp_bias = _mlp_bias(cfg)
+        self.gate_up_bias = empty_param(2 * inter, **p) if self.mlp_bias else None
+        self.down_bias = empty_param(hidden, **p) if self.mlp_bias else None
+
+    def weight_slots(self, prefix: str) -> dict[str, torch.Tensor]:
+        q, kv, inter = self.cfg.q_size, self.cfg.kv_size, self.cfg.intermediate_size
+        attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+        slots = {
+            f"{prefix}input_layernorm.weight": self.input_norm,
+            f"{prefix}post_attention_layernorm.weight": self.post_norm,
+            f"{attn}o_proj.weight": self.o,
+            f"{mlp}down_proj.weight": self.down,
+        }
+        for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, None))):
+            slots[f"{attn}{name}.weight"] = self.qkv[rows[0] : rows[1]]
+            if self.qkv_bias is not None:
+                slots[f"{attn}{name}.bias"] = self.qkv_bias[rows[0] : rows[1]]
+        for name, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, None))):
+            slots[f"{mlp}{name}.weight"] = self.gate_up[rows[0] : rows[1]]
+            if self.gate_up_bias is not None:
+                slots[f"{mlp}{name}.bias"] = self.gate_up_bias[rows[0] : rows[1]]
+        if self.o_bias is not None:
+            slots[f"{attn}o_proj.bias"] = self.o_bias
+        if self.down_bias is not None:
+            slots[f"{mlp}down_proj.bias"] = self.down_bias
+        if self.q_norm is not None:
+            slots[f"{attn}q_norm.weight"] = self.q_norm
+            slots[f"{attn}k_norm.weight"] = self.k_norm
+        return slots
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        pending: torch.Tensor | None,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (residual stream after attention, MLP output to add)."""
+        eps = self.cfg.norm_eps
+        if pending is None:
+            normed = ops.rmsnorm(residual, self.input_norm, eps)
+        else:
+            normed, residual = ops.add_rmsnorm(pending, residual, self.input_norm, eps)
+        attn = self.attention(normed, batch, k_cache, v_cache, rope)
+        normed, residual = ops.add_rmsnorm(attn, residual, self.post_norm, eps)
+        return residual, self.mlp(normed)
+
+    def attention(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        if self.q_norm is not None:
+            q = ops.rmsnorm(q, self.q_norm, cfg.norm_eps)
+            k = ops.rmsnorm(k, self.k_norm, cfg.norm_eps)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
+        out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)
+        return F.linear(out.flatten(-2), self.o, self.o_bias)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+
+
+class LlamaModel(StageModel):
+    """Layers `layers` of a Llama-family model (see `StageModel`). With tied
+    embeddings the head is the embedding matrix: the same tensor when one
+    stage is both first and last, a separate copy on a last stage that is not
+    the first."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: range,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(cfg, layers, dtype)
+        act = cfg.raw.get("hidden_act", "silu")
+        if act not in _SILU:
+            raise ValueError(f"hidden_act {act!r} is not supported (the Llama family uses silu)")
+        p = {"dtype": dtype, "device": device}
+        vocab, hidden = cfg.vocab_size, cfg.hidden_size
+        self.rotary = RotaryEmbedding(cfg, device)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype, device) for _ in layers)
+        self.embed = empty_param(vocab, hidden, **p) if self.is_first else None
+        self.norm = empty_param(hidden, **p) if self.is_last else None
+        own_head = self.is_last and not (cfg.tie_word_embeddings and self.is_first)
+        self.lm_head = empty_param(vocab, hidden, **p) if own_head else None
+
+    def weight_slots(self) -> dict[str, torch.Tensor]:
+        slots: dict[str, torch.Tensor] = {}
+        for j, layer in enumerate(self.layers):
+            slots.update(layer.weight_slots(f"model.layers.{self.layer_range.start + j}."))
+        if self.embed is not None:
+            slots["model.embed_tokens.weight"] = self.embed
+        if self.norm is not None:
+            slots["model.norm.weight"] = self.norm
+        if self.lm_head is not None:
+            tied = self.cfg.tie_word_embeddings
+            slots["model.embed_tokens.weight" if tied else "lm_head.weight"] = self.lm_head
+        return slots
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """Token ids [T] (first stage) or residual stream [T, hidden] ->
+        residual stream [T, hidden], final-normed on the last stage."""
+        self.check_pool(kv.num_layers)
+        h = F.embedding(x, self.embed) if self.embed is not None else x
+        rope = self.rotary.cos_sin(batch.positions, h.dtype)
+        pending = None
+        for j, layer in enumerate(self.layers):
+            h, pending = layer(h, pending, batch, kv.k[j], kv.v[j], rope)
+        if self.norm is not None:
+            return ops.add_rmsnorm(pending, h, self.norm, self.cfg.norm_eps)[0]
+        return h + pending
+
+
+def _o_bias(cfg: ModelConfig) -> bool:
+    # Qwen2 biases q, k and v only; Llama's attention_bias covers o_proj too.
+    return cfg.attention_bias and cfg.model_type != "qwen2"
+
+
+def _mlp_bias(cfg: ModelConfig) -> bool:
+    return bool(cfg.raw.get("mlp_bias", False))

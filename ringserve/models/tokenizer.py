@@ -1,0 +1,185 @@
+"""Text <-> token ids for a model directory: `tokenizer.json` through the
+`tokenizers` library, special tokens and the chat template from
+`tokenizer_config.json` (or `chat_template.jinja`), rendered as Hugging Face
+renders it: a sandboxed jinja2 environment with `raise_exception`,
+`strftime_now` and a non-escaping `tojson`.
+
+Decoding applies no `clean_up_tokenization_spaces`: Hugging Face itself
+skips it for BPE tokenizers, the only kind the served families use.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """A loaded tokenizer. Immutable after construction; safe to share
+    between tasks (the backend is thread-safe for encode/decode)."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        special_tokens: dict[str, str],
+        chat_template: str | None,
+    ) -> None:
+        self.backend = backend
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self._template = None if chat_template is None else _compile(chat_template)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
+        """None when the directory has no tokenizer.json: such a model still
+        serves prompts given as token ids."""
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            return None
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        specials = {
+            name: _token_text(config[name])
+            for name in _SPECIAL_NAMES
+            if config.get(name) is not None
+        }
+        template_file = model_dir / "chat_template.jinja"
+        template = _pick_template(config.get("chat_template"))
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        return cls(BackendTokenizer.from_file(str(path)), specials, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    def _special_id(self, name: str) -> int | None:
+        text = self.special_tokens.get(name)
+        return None if text is None else self.backend.token_to_id(text)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the tokenizer's post-processing (a BOS,
+        say) as Hugging Face adds it. Pass add_special_tokens=False for a
+        rendered chat prompt: its template already wrote them."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """Render `messages` with the model's chat template. Extra keyword
+        arguments (tools, ...) are passed to the template as variables."""
+        if self._template is None:
+            raise ValueError(
+                "this model has no chat template (no chat_template in "
+                "tokenizer_config.json): send a plain completion prompt instead"
+            )
+        variables = {**self.special_tokens, **extra}
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+
+
+class IncrementalDecoder:
+    """Streams text for a growing list of token ids. Invariant: the deltas
+    returned by `push` and then `flush` concatenate to
+    `tokenizer.decode(all ids)`.
+
+    Text is decoded over a short window: the tokens since the last emission
+    plus the ones before them (`prefix_offset`) for context, since some
+    decoders render a token differently at the start of a string. Text that
+    ends in U+FFFD (an incomplete UTF-8 sequence of byte-level pieces) is held
+    back until the following tokens complete it."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        """Append one token; returns the newly completed text (maybe "")."""
+        self._ids.append(token_id)
+        window = self._decode(self._ids[self._prefix_offset :])
+        if window.endswith("\ufffd"):
+            return ""
+        return self._advance(window)
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is still held back."""
+        return self._advance(self._decode(self._ids[self._prefix_offset :]))
+
+    def _advance(self, window: str) -> str:
+        before = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if len(window) <= len(before):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return window[len(before) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+
+def _token_text(value: Any) -> str:
+    # tokenizer_config stores a special token as a string or as an AddedToken dict.
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _pick_template(value: Any) -> str | None:
+    # A list of named templates is allowed; the one named "default" is the chat template.
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value}
+        return named.get("default")
+    return value
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)

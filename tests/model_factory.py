@@ -1,0 +1,156 @@
+"""Tiny random-weight Hugging Face model directories, written by
+`transformers` itself, for comparing ringserve's models with the reference.
+
+Each function writes `<tmp>/<name>/` (config.json + float32 safetensors) from
+a fixed seed and returns the path; the same call always writes the same
+weights. Beyond the library's own init, every norm weight is drawn around 1
+and every bias around 0, so a norm or bias that is skipped or misplaced shows
+in the logits. `initializer_range` is large (0.15) and the output matrix is
+scaled by HEAD_GAIN, so logit margins are healthy and greedy decoding is
+stable.
+
+    llama_gqa     Llama, 4 layers, hidden 64, 4 heads / 2 KV heads (GQA),
+                  vocab 512, untied head, rope_theta 50000; optionally
+                  Llama-3 rope scaling with original context 256, so the
+                  three frequency bands all occur. Saved SHARDED (about 200
+                  KB shards with an index) and with a byte-level BPE
+                  tokenizer (vocab 512) and a chat template.
+    qwen2_tied    Qwen2, 3 layers, hidden 96, 4 heads / 2 KV heads
+                  (head_dim 24), q/k/v biases, tied embeddings, vocab 384.
+    qwen3_qknorm  Qwen3, 2 layers, hidden 64, head_dim 32 (q width 128 is
+                  not hidden), 4 heads / 2 KV heads, q/k RMSNorm, vocab 256.
+    bigcode_mqa   GPT-BigCode, 3 layers, n_embd 64, 4 heads, multi-query,
+                  n_inner 160, gelu_pytorch_tanh, vocab 320.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from ringserve.models.builtin import write_tokenizer
+
+INIT_RANGE = 0.15
+# The output matrix (lm_head, or the embedding when tied) is scaled up further
+# so next-token distributions are peaked: mean top-1 probability ~0.3 rather
+# than ~0.05, and top-1/top-2 margins far above float32 error.
+HEAD_GAIN = 3.0
+MAX_POSITIONS = 1024
+
+
+def llama_gqa(tmp: Path, *, rope_scaling: bool = False) -> Path:
+    rope = {"rope_type": "default", "rope_theta": 50000.0}
+    if rope_scaling:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        initializer_range=INIT_RANGE,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    name = "llama_gqa_llama3" if rope_scaling else "llama_gqa"
+    path = _save(LlamaForCausalLM, cfg, tmp / name, seed=11, shard=True)
+    write_tokenizer(path, vocab_size=512, model_max_length=MAX_POSITIONS)
+    return path
+
+
+def qwen2_tied(tmp: Path) -> Path:
+    cfg = Qwen2Config(
+        vocab_size=384,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        initializer_range=INIT_RANGE,
+    )
+    return _save(Qwen2ForCausalLM, cfg, tmp / "qwen2_tied", seed=12)
+
+
+def qwen3_qknorm(tmp: Path) -> Path:
+    cfg = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        tie_word_embeddings=False,
+        initializer_range=INIT_RANGE,
+    )
+    return _save(Qwen3ForCausalLM, cfg, tmp / "qwen3_qknorm", seed=13)
+
+
+def bigcode_mqa(tmp: Path) -> Path:
+    cfg = GPTBigCodeConfig(
+        vocab_size=320,
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        n_inner=160,
+        n_positions=MAX_POSITIONS,
+        multi_query=True,
+        activation_function="gelu_pytorch_tanh",
+        initializer_range=INIT_RANGE,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return _save(GPTBigCodeForCausalLM, cfg, tmp / "bigcode_mqa", seed=14)
+
+
+def _save(model_cls: type, cfg: object, path: Path, *, seed: int, shard: bool = False) -> Path:
+    # fork_rng: the caller's global torch RNG is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(cfg).float().eval()
+        _perturb_norms_and_biases(model)
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(HEAD_GAIN)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, max_shard_size="200KB" if shard else "1GB")
+    return path
+
+
+@torch.no_grad()
+def _perturb_norms_and_biases(model: torch.nn.Module) -> None:
+    for name, param in model.named_parameters():
+        is_norm = "norm" in name or ".ln_" in name
+        if is_norm and name.endswith(".weight"):
+            param.copy_(1.0 + 0.2 * torch.randn_like(param))
+        elif name.endswith(".bias"):
+            param.copy_(0.2 * torch.randn_like(param))
