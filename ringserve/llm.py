@@ -11,6 +11,7 @@ from ringserve.engine.core import Engine
 from ringserve.engine.params import RequestOutput, SamplingParams
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.local_ring import LocalRing
+from ringserve.engine.sizing import size_ring
 from ringserve.engine.textstream import TextStream
 from ringserve.models.builtin import builtin_model_dir
 
@@ -36,7 +37,9 @@ class LLM:
         if pp_size < 1:
             raise ValueError("pp_size must be >= 1")
         split = tuple(layer_split) if layer_split is not None else None
-        self.config = EngineConfig(model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options)
+        self.config = EngineConfig(
+            model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options
+        )
         self.pp_size = pp_size
         self._engine: Engine | None = None
         self._ring: LocalRing | None = None

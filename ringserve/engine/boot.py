@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -66,6 +67,7 @@ class EngineConfig:
     wedge_timeout_s: float = 30.0
     heartbeat_s: float = 1.0
     layer_split: tuple[int, ...] | None = field(default=None)
+    plan: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens < 2:
@@ -91,8 +93,13 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
     dtype = TORCH_DTYPES[resolve_dtype(config.dtype, cfg)]
     device = torch.device(config.device)
     model = load_model(config.model_dir, cfg, layers, dtype, device)
-    pool = KVPool(len(layers), config.kv_capacity_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    pool = KVPool(
+        len(layers), config.kv_capacity_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device
+    )
     log.info("pool.allocated", rank=rank, layers=f"{layers.start}:{layers.stop}", bytes=pool.nbytes)
+    from ringserve.engine.sizing import check_allocation
+
+    check_allocation(config.plan, rank, model, pool.nbytes)
     return Stage(Runner(model, pool, device, layers, cfg.num_layers), rank=rank)
 
 
@@ -112,5 +119,7 @@ def build_rank_zero(config: EngineConfig, cfg: ModelConfig, passes_in_flight: in
         config.scheduler_config(cfg, passes_in_flight), allocator, RadixCache(allocator)
     )
     return RankZero(
-        scheduler, Tokenizer.from_dir(config.model_dir), RequestFactory(frozenset(cfg.eos_token_ids))
+        scheduler,
+        Tokenizer.from_dir(config.model_dir),
+        RequestFactory(frozenset(cfg.eos_token_ids)),
     )

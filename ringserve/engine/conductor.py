@@ -98,7 +98,9 @@ class Conductor:
 
     def abort(self, req_id: int, reason: str = "abort") -> None:
         self.scheduler.abort(req_id, reason)
-        self._deliver([self.scheduler.requests[req_id]] if req_id in self.scheduler.requests else [])
+        self._deliver(
+            [self.scheduler.requests[req_id]] if req_id in self.scheduler.requests else []
+        )
         self._wake.set()
 
     # ---- running -------------------------------------------------------------
@@ -140,7 +142,9 @@ class Conductor:
         try:
             if self.faults.should_void(p):
                 raise PassFailed("injected void")
-            result = await loop.run_in_executor(self.executor, self.stage.compute, decision, rows, None)
+            result = await loop.run_in_executor(
+                self.executor, self.stage.compute, decision, rows, None
+            )
         except PassFailed as exc:
             if self.ring is None:
                 self._on_terminal(Void(p, 0, str(exc)))
@@ -164,7 +168,9 @@ class Conductor:
             what = Owed(oldest, Output, self.ring.last_rank)
             msg = await watched(self._next_terminal(), what, self.wedge_timeout_s, self.health)
             if msg.pass_id != oldest:
-                raise LinkError(self.ring.last_rank, f"terminal of pass {msg.pass_id}, owed {oldest}")
+                raise LinkError(
+                    self.ring.last_rank, f"terminal of pass {msg.pass_id}, owed {oldest}"
+                )
             self._on_terminal(msg)
 
     async def _next_terminal(self) -> Output | Void:

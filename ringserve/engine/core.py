@@ -24,7 +24,11 @@ class Engine:
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         self.stage = build_stage(config, cfg, range(cfg.num_layers), rank=0)
         zero = build_rank_zero(config, cfg, passes_in_flight=1)
-        self.scheduler, self.tokenizer, self.new_request = zero.scheduler, zero.tokenizer, zero.new_request
+        self.scheduler, self.tokenizer, self.new_request = (
+            zero.scheduler,
+            zero.tokenizer,
+            zero.new_request,
+        )
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
         req = self.new_request(prompt, params)

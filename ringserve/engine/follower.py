@@ -92,7 +92,9 @@ class Follower:
         if not self.last:
             await self.send.send(decision)
         upstream = Owed(p, Hidden, self.rank - 1)
-        hidden, tensors = await watched(self.inbox.get(Hidden), upstream, self.wedge_timeout_s, self.health)
+        hidden, tensors = await watched(
+            self.inbox.get(Hidden), upstream, self.wedge_timeout_s, self.health
+        )
         if hidden.pass_id != p:
             raise RuntimeError(f"rank {self.rank} got hidden of pass {hidden.pass_id}, owed {p}")
         void_rank = self.rank
@@ -120,7 +122,9 @@ class Follower:
         except PassFailed as exc:
             return None, str(exc)
 
-    def _forward(self, decision: Decision, rows: list[Row], x: torch.Tensor) -> torch.Tensor | Output:
+    def _forward(
+        self, decision: Decision, rows: list[Row], x: torch.Tensor
+    ) -> torch.Tensor | Output:
         if self.faults.slow_ms:
             time.sleep(self.faults.slow_ms / 1e3)
         return self.stage.compute(decision, rows, x)

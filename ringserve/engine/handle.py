@@ -49,8 +49,16 @@ class RequestHandle:
         text = "".join(self.stream.push(t) for t in new)
         if finished:
             text += self.stream.finish()
-        lp = self.req.logprobs[self.fed : len(self.req.output)] if self.req.params.logprobs is not None else None
-        top = self.req.top_logprobs[self.fed : len(self.req.output)] if self.req.params.logprobs else None
+        lp = (
+            self.req.logprobs[self.fed : len(self.req.output)]
+            if self.req.params.logprobs is not None
+            else None
+        )
+        top = (
+            self.req.top_logprobs[self.fed : len(self.req.output)]
+            if self.req.params.logprobs
+            else None
+        )
         self.fed = len(self.req.output)
         delta = Delta(text, new, lp, top, self.req.finish_reason if finished else None)
         self.queue.put_nowait(delta)

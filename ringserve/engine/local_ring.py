@@ -11,7 +11,6 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import replace
 
 import structlog
 
@@ -19,7 +18,6 @@ from ringserve.engine.boot import (
     EngineConfig,
     build_rank_zero,
     build_stage,
-    even_split,
     layer_range,
 )
 from ringserve.engine.conductor import Conductor, RingPorts
@@ -90,15 +88,10 @@ class LocalRing:
         log_dir: str | None = None,
         startup_timeout_s: float = 300.0,
     ) -> None:
-        cfg = ModelConfig.from_dir(config.model_dir)
-        split = list(config.layer_split or even_split(cfg.num_layers, pp_size))
-        if len(split) != pp_size or sum(split) != cfg.num_layers or min(split) < 1:
-            raise ValueError(
-                f"layer_split {split} must give {pp_size} ranks >= 1 layer each, "
-                f"{cfg.num_layers} layers in all"
-            )
-        self.config = replace(config, layer_split=tuple(split))
-        self.model_config = cfg
+        if config.layer_split is None:
+            raise ValueError("a local ring needs its layer split (engine/sizing.size_ring)")
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
         port = free_port()
         self.specs = [RankSpec(r, pp_size, "127.0.0.1", port) for r in range(pp_size)]
         self.children = RankProcesses(self.specs[1:], self.config, log_dir)

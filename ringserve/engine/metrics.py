@@ -58,10 +58,19 @@ class Metrics:
             "requests_failed_total": (self.requests_failed, "requests that ended in an error"),
             "prompt_tokens_total": (self.prompt_tokens, "prompt tokens received"),
             "generation_tokens_total": (self.generation_tokens, "tokens generated"),
-            "cache_hit_tokens_total": (self.cache_hit_tokens, "prompt tokens served from the prefix cache"),
+            "cache_hit_tokens_total": (
+                self.cache_hit_tokens,
+                "prompt tokens served from the prefix cache",
+            ),
             "voids_total": (self.voids, "passes voided by some rank"),
-            "sampling_fallbacks_total": (self.sampling_fallbacks, "rows sampled by the NaN fallback"),
-            "wedge_suspicions_total": (self.wedge_suspicions, "waits that exceeded the wedge timeout"),
+            "sampling_fallbacks_total": (
+                self.sampling_fallbacks,
+                "rows sampled by the NaN fallback",
+            ),
+            "wedge_suspicions_total": (
+                self.wedge_suspicions,
+                "waits that exceeded the wedge timeout",
+            ),
             "passes_total": (self.passes, "passes completed"),
         }
         lines: list[str] = []
@@ -72,5 +81,7 @@ class Metrics:
             lines += [f"# HELP ringserve_{name} {text}", f"# TYPE ringserve_{name} gauge"]
             lines.append(f"ringserve_{name} {value}")
         lines += self.ttft.render("ringserve_time_to_first_token_seconds", "time to first token")
-        lines += self.tpot.render("ringserve_time_per_output_token_seconds", "time between output tokens")
+        lines += self.tpot.render(
+            "ringserve_time_per_output_token_seconds", "time between output tokens"
+        )
         return "\n".join(lines) + "\n"

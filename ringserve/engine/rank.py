@@ -147,6 +147,8 @@ def parse_args(argv: list[str] | None) -> tuple[RankSpec, EngineConfig, argparse
     p.add_argument("--config", required=True, help="EngineConfig as JSON")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--http", default=None, help="rank 0: HttpOptions as JSON")
+    p.add_argument("--ready-file", default=None, help="rank 0: written once serving")
     args = p.parse_args(argv)
     spec = RankSpec(args.rank, args.world, args.master_addr, args.master_port)
     return spec, decode_config(args.config), args
@@ -158,16 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(spec.rank, args.log_dir, console_level="warning")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if spec.rank == 0:
+    if spec.rank == 0 and args.http is None:
         raise SystemExit("rank 0 runs inside `LLM` or `ringserve launch`, not here")
-    init_group(spec.rank, spec.world, spec.master_addr, spec.master_port)
+    if spec.world > 1:
+        init_group(spec.rank, spec.world, spec.master_addr, spec.master_port)
     try:
         import uvloop
 
-        code = uvloop.run(run_follower(spec, config))
+        if spec.rank == 0:
+            from ringserve.engine.serve import HttpOptions, run_rank_zero
+
+            http = msgspec.json.decode(args.http, type=HttpOptions)
+            code = uvloop.run(run_rank_zero(spec, config, http, args.ready_file))
+        else:
+            code = uvloop.run(run_follower(spec, config))
     finally:
         logs.flush()
-        close_group()
+        if spec.world > 1:
+            close_group()
     return code
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.kernels.sampling import sample_reference
+from ringserve.kernels import ops
 from ringserve.ring.messages import Output, SamplingSpec, TopLogprobs
 
 _MIX = 0x9E3779B97F4A7C15
@@ -69,7 +69,7 @@ class Sampler:
             if not greedy[i]:
                 gen = torch.Generator(device="cpu").manual_seed(noise_seed(spec.seed or 0, pos))
                 noise[i] = torch.rand(logits.shape[-1], generator=gen).to(dev)
-        tokens, fallback = sample_reference(logits, temperature, top_k, top_p, min_p, noise)
+        tokens, fallback = ops.sample(logits, temperature, top_k, top_p, min_p, noise)
         return tokens, fallback | (torch.isnan(logits).any(-1) & temperature.eq(0))
 
     @staticmethod

@@ -241,7 +241,9 @@ class Scheduler:
                 self._take_token(req, out, next(sampled))
             elif self.config.prefix_reuse and req.prefilling:
                 self._insert(req)
-            reason = req.abort_reason or (req.stop_reason(self.config.max_model_len) if entry.sample else None)
+            reason = req.abort_reason or (
+                req.stop_reason(self.config.max_model_len) if entry.sample else None
+            )
             if reason is not None:
                 self._finish(req, reason)
         return record.reqs
@@ -272,7 +274,10 @@ class Scheduler:
                 self._unadmit(req)
             req.retries += 1
             if req.abort_reason or req.retries > self.config.max_retries:
-                why = req.abort_reason or f"error: pass {void.pass_id} void on rank {void.rank}: {void.reason}"
+                why = (
+                    req.abort_reason
+                    or f"error: pass {void.pass_id} void on rank {void.rank}: {void.reason}"
+                )
                 self.abort(req.req_id, why)
         return record.reqs
 

@@ -1,14 +1,26 @@
 """The one switch between kernel backends: every call site in the models and
 the runner goes through these functions, which pick the Triton kernel for
-CUDA tensors and the torch reference otherwise."""
+CUDA tensors and the torch reference otherwise. Tests reach the Triton
+wrappers on CPU tensors (under TRITON_INTERPRET=1) by calling them directly."""
 
 from __future__ import annotations
 
 import torch
 
 from ringserve.engine.batch import ForwardBatch
+from ringserve.kernels import decode_attention as decode
+from ringserve.kernels import extend_attention as extend
+from ringserve.kernels import rmsnorm as triton_norm
+from ringserve.kernels import sample as triton_sample
+from ringserve.kernels import store_kv as triton_store
 from ringserve.kernels.attention import paged_attention_reference, store_kv_reference
 from ringserve.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
+from ringserve.kernels.sampling import sample_reference
+
+
+def uses_triton(device: torch.device) -> bool:
+    """The switch: tensors on `device` go to the Triton kernels."""
+    return device.type == "cuda"
 
 
 def store_kv(
@@ -18,7 +30,10 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    store_kv_reference(k_cache, v_cache, out_slots, k, v)
+    if uses_triton(k_cache.device):
+        triton_store.store_kv(k_cache, v_cache, out_slots, k, v)
+    else:
+        store_kv_reference(k_cache, v_cache, out_slots, k, v)
 
 
 def paged_attention(
@@ -28,10 +43,16 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:
-    return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+    if not uses_triton(q.device):
+        return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+    if batch.decode_only:
+        return decode.decode_attention(q, k_cache, v_cache, batch, scale)
+    return extend.extend_attention(q, k_cache, v_cache, batch, scale)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if uses_triton(x.device):
+        return triton_norm.rmsnorm(x, weight, eps)
     return rmsnorm_reference(x, weight, eps)
 
 
@@ -39,4 +60,20 @@ def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rmsnorm(x + residual), x + residual)."""
+    if uses_triton(x.device):
+        return triton_norm.add_rmsnorm(x, residual, weight, eps)
     return add_rmsnorm_reference(x, residual, weight, eps)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (tokens [S] int64, fallback [S] bool); see `sample_reference`."""
+    if uses_triton(logits.device):
+        return triton_sample.sample(logits, temperature, top_k, top_p, min_p, noise)
+    return sample_reference(logits, temperature, top_k, top_p, min_p, noise)

@@ -10,6 +10,17 @@ from __future__ import annotations
 
 import torch
 
+# Noise is clamped into [NOISE_MIN, NOISE_MAX] so -log(u) is finite and positive.
+NOISE_MIN = 1e-20
+NOISE_MAX = 1.0 - 1e-7
+
+
+def tempered_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Softmax of each row at its temperature; rows with temperature <= 0
+    (greedy) use 1 so their probabilities stay defined."""
+    temp = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    return torch.softmax(logits / temp, dim=-1)
+
 
 def filter_probs(
     logits: torch.Tensor,
@@ -20,8 +31,7 @@ def filter_probs(
 ) -> torch.Tensor:
     """Probabilities after temperature, top-k (k <= 0: off), top-p and min-p,
     renormalised. Rows may come out non-finite; the caller checks."""
-    temp = torch.where(temperature > 0, temperature, 1.0)[:, None]
-    probs = torch.softmax(logits / temp, dim=-1)
+    probs = tempered_probs(logits, temperature)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     k = torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
@@ -48,7 +58,7 @@ def sample_reference(
     logits = logits.float()
     probs = filter_probs(logits, temperature, top_k, top_p, min_p)
     bad = ~torch.isfinite(probs).all(-1)
-    race = probs / -torch.log(noise.clamp(min=1e-20, max=1.0 - 1e-7))
+    race = probs / -torch.log(noise.clamp(min=NOISE_MIN, max=NOISE_MAX))
     sampled = torch.nan_to_num(race, nan=-1.0).argmax(-1)
     greedy = torch.nan_to_num(logits, nan=float("-inf")).argmax(-1)
     use_greedy = (temperature <= 0) | bad

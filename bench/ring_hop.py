@@ -1,0 +1,131 @@
+"""Cost of one ring hop through the links against raw gloo send/recv.
+
+    .venv/bin/python bench/ring_hop.py [--iters 200] [--rounds 5]
+
+Starts two local ranks. Rank 0 sends a `Hidden` with one float32 tensor to
+rank 1, which sends it back; a hop is half that round trip. The same tensor
+also goes back and forth with bare `ProcessGroup.send/recv(...).wait()` on
+another tag. Raw and link blocks alternate within one run so both see the
+same machine load; the table gives median hop times and their ratio (goal
+for 4 MiB: link <= 1.2x raw).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import uvloop
+
+from ringserve.ring.group import close_group, init_group
+from ringserve.ring.inbox import Inbox
+from ringserve.ring.link import RecvLink, SendLink
+from ringserve.ring.messages import Hidden
+
+LINK_TAG, RAW_TAG = 1, 2
+SIZES = {"4 KiB": 4 << 10, "4 MiB": 4 << 20}
+
+
+def raw_round_trips(group, rank: int, t: torch.Tensor, iters: int) -> list[float]:
+    peer, hops = 1 - rank, []
+    for _ in range(iters):
+        start = time.perf_counter()
+        if rank == 0:
+            group.send([t], peer, RAW_TAG).wait()
+            group.recv([t], peer, RAW_TAG).wait()
+        else:
+            group.recv([t], peer, RAW_TAG).wait()
+            group.send([t], peer, RAW_TAG).wait()
+        hops.append((time.perf_counter() - start) / 2)
+    return hops
+
+
+async def link_round_trips(
+    send: SendLink, inbox: Inbox, rank: int, t: torch.Tensor, iters: int
+) -> list[float]:
+    hops = []
+    for i in range(iters):
+        start = time.perf_counter()
+        if rank == 0:
+            await send.send(Hidden(i), (t,))
+            await inbox.get(Hidden)
+        else:
+            msg, tensors = await inbox.get(Hidden)
+            await send.send(msg, tensors)
+        hops.append((time.perf_counter() - start) / 2)
+    return hops
+
+
+async def rank_main(args: argparse.Namespace) -> None:
+    group = init_group(args.rank, 2, "127.0.0.1", args.port)
+    inbox = Inbox()
+    send = SendLink(1 - args.rank, LINK_TAG, 4, inbox=inbox)
+    recv = RecvLink(1 - args.rank, LINK_TAG, inbox)
+    results = {}
+    for name, nbytes in SIZES.items():
+        t = torch.randn(nbytes // 4)
+        raw, link = [], []
+        for _ in range(args.iters):
+            raw += raw_round_trips(group, args.rank, t, 1)
+            link += await link_round_trips(send, inbox, args.rank, t, 1)
+        results[name] = {"raw": statistics.median(raw), "link": statistics.median(link)}
+    await send.close()
+    await recv.close()
+    close_group()
+    if args.rank == 0:
+        print(json.dumps(results), flush=True)
+
+
+def print_table(results: dict[str, dict[str, float]], iters: int) -> None:
+    print(f"ring hop, 2 local ranks, median of {iters} hops each")
+    print(f"{'size':>6} {'raw gloo us':>12} {'link us':>10} {'ratio':>6}")
+    for name, r in results.items():
+        ratio = r["link"] / r["raw"]
+        print(f"{name:>6} {r['raw'] * 1e6:12.1f} {r['link'] * 1e6:10.1f} {ratio:6.2f}")
+
+
+def launch(args: argparse.Namespace) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, __file__, "--port", str(port), "--iters", str(args.iters)]
+    argv += ["--rounds", str(args.rounds)]
+    procs = [
+        subprocess.Popen([*argv, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        out = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        sys.exit(f"a rank failed: exit codes {[p.returncode for p in procs]}")
+    print_table(json.loads(out[0].strip().splitlines()[-1]), args.iters * args.rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=200, help="round trips per block")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating raw/link blocks")
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is None:
+        launch(args)
+    else:
+        import os, sys as _s
+        if os.environ.get("SWI"): _s.setswitchinterval(float(os.environ["SWI"]))
+        (asyncio.run if os.environ.get("ASYNCIO") else uvloop.run)(rank_main(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The `ringserve` command: `launch` serves a model, `plan` prints the memory
+plan for a rig, `replay` checks a run's logs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ringserve.engine.boot import EngineConfig
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in model)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
+    p.add_argument("--rank-memory-mib", default=None, help="memory budget per rank, e.g. 28000,9000,9000")
+    p.add_argument("--layer-split", default=None, help="layers per rank, e.g. 3,5,4 (default: even)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-capacity-tokens", type=int, default=16384, help="KV slots per rank without a plan")
+    p.add_argument("--max-tokens-per-pass", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk per request per pass")
+    p.add_argument("--max-batch", type=int, default=64, help="requests per pass")
+    p.add_argument("--no-prefix-reuse", action="store_true")
+    p.add_argument("--wedge-timeout-s", type=float, default=30.0)
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    from ringserve.models.builtin import builtin_model_dir
+
+    model = Path(args.model) if args.model else builtin_model_dir()
+    split = tuple(int(x) for x in args.layer_split.split(",")) if args.layer_split else None
+    return EngineConfig(
+        model_dir=model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        max_tokens_per_pass=args.max_tokens_per_pass,
+        chunk_size=args.chunk_size,
+        max_batch=args.max_batch,
+        prefix_reuse=not args.no_prefix_reuse,
+        wedge_timeout_s=args.wedge_timeout_s,
+        heartbeat_s=args.heartbeat_s,
+        layer_split=split,
+    )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from ringserve.engine.launcher import NodeSpec, launch, say
+    from ringserve.engine.local_ring import free_port
+    from ringserve.engine.serve import HttpOptions
+    from ringserve.engine.sizing import size_ring
+
+    if args.nnodes > 1 and args.master_port is None:
+        raise SystemExit("ringserve: --master-port is required with --nnodes > 1")
+    config, plan = size_ring(_config(args), args.pp, args.rank_memory_mib)
+    if plan is not None:
+        say("memory plan\n" + plan.table())
+    node = NodeSpec(args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port())
+    http = HttpOptions(host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name)
+    return launch(node, config, http, args.log_dir)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from ringserve.engine.sizing import size_ring
+
+    _, plan = size_ring(_config(args), args.pp, args.rank_memory_mib)
+    if plan is None:
+        raise SystemExit("ringserve: plan needs --rank-memory-mib")
+    print(plan.table())
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from ringserve.replay import main as replay_main
+
+    return replay_main(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ringserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    launch = sub.add_parser("launch", help="serve a model over HTTP")
+    _engine_args(launch)
+    launch.add_argument("--host", default="127.0.0.1")
+    launch.add_argument("--port", type=int, default=8000)
+    launch.add_argument("--api-key", default=None)
+    launch.add_argument("--served-model-name", default=None)
+    launch.add_argument("--log-dir", default=None, help="write rank{R}.jsonl logs here")
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=0)
+    launch.add_argument("--master-addr", default="127.0.0.1")
+    launch.add_argument("--master-port", type=int, default=None)
+    launch.set_defaults(run=_launch)
+    plan = sub.add_parser("plan", help="print the memory plan for --rank-memory-mib")
+    _engine_args(plan)
+    plan.set_defaults(run=_plan)
+    replay = sub.add_parser("replay", help="check the logs of a run")
+    replay.add_argument("log_dir")
+    replay.add_argument("--json", action="store_true", help="machine-readable report")
+    replay.set_defaults(run=_replay)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as exc:  # bad options and refused plans say why
+        print(f"ringserve: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,137 @@
+"""`ringserve launch`: start this node's ranks, wait for the ring, print the
+URL, supervise. Any rank's exit ends the whole group; SIGINT/SIGTERM shut
+it down cleanly. No rank process outlives the launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from ringserve.engine.boot import EngineConfig, layer_range
+from ringserve.engine.rank import EXIT_LINK_FAILED, RankSpec, child_command
+from ringserve.engine.serve import HttpOptions
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """Which ranks of a `world`-rank ring this node runs."""
+
+    world: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def __post_init__(self) -> None:
+        if self.world % self.nnodes:
+            raise ValueError(f"--pp {self.world} is not a multiple of --nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
+
+    @property
+    def ranks(self) -> range:
+        per = self.world // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+
+def say(text: str) -> None:
+    print(f"ringserve: {text}", file=sys.stderr, flush=True)
+
+
+class Launcher:
+    """Invariant: `procs` holds every rank process this node started; after
+    `stop()` each has exited."""
+
+    def __init__(
+        self, node: NodeSpec, config: EngineConfig, http: HttpOptions, log_dir: str | None
+    ) -> None:
+        self.node, self.config, self.http, self.log_dir = node, config, http, log_dir
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.ready_file = Path(tempfile.mkdtemp(prefix="ringserve-")) / "ready"
+        self.stopping = False
+
+    def start(self) -> None:
+        threads = max(1, (os.cpu_count() or 1) // len(self.node.ranks))
+        for rank in self.node.ranks:
+            spec = RankSpec(rank, self.node.world, self.node.master_addr, self.node.master_port)
+            cmd = child_command(spec, self.config) + ["--threads", str(threads)]
+            if self.log_dir:
+                cmd += ["--log-dir", self.log_dir]
+            if rank == 0:
+                cmd += ["--http", msgspec.json.encode(self.http).decode()]
+                cmd += ["--ready-file", str(self.ready_file)]
+            layers = layer_range(list(self.config.layer_split or ()), rank)
+            say(f"starting rank {rank} (layers {layers.start}-{layers.stop - 1})")
+            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def supervise(self) -> int:
+        """Wait for readiness and then for the first rank to exit; returns
+        the launcher's exit code."""
+        announced = 0 not in self.procs
+        while True:
+            if not announced and self.ready_file.exists():
+                say(f"ready at {self.ready_file.read_text()}")
+                announced = True
+            exited = {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
+            if exited:
+                return self._end(exited)
+            time.sleep(0.1)
+
+    def _end(self, exited: dict[int, int | None]) -> int:
+        time.sleep(0.3)  # let a cascade of link failures show its first cause
+        exited = {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
+        if self.stopping:
+            self.stop()
+            return 0
+        cause = next(((r, c) for r, c in exited.items() if c not in (0, EXIT_LINK_FAILED)), None)
+        rank, code = cause if cause is not None else next(iter(exited.items()))
+        why = "lost its link to a neighbour" if code == EXIT_LINK_FAILED else _describe(code)
+        say(f"rank {rank} exited ({why}); ending the group")
+        self.stop()
+        return 1
+
+    def request_stop(self, *_: object) -> None:
+        self.stopping = True
+        if 0 in self.procs and self.procs[0].poll() is None:
+            self.procs[0].send_signal(signal.SIGTERM)  # rank 0 shuts the ring down
+        else:
+            self.stop()
+
+    def stop(self, grace_s: float = 6.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _describe(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def launch(node: NodeSpec, config: EngineConfig, http: HttpOptions, log_dir: str | None) -> int:
+    launcher = Launcher(node, config, http, log_dir)
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    try:
+        launcher.start()
+        return launcher.supervise()
+    finally:
+        launcher.stop(grace_s=0.5 if not launcher.stopping else 6.0)

@@ -1,0 +1,71 @@
+"""Sizing a ring before any rank allocates: the layer split and the one KV
+capacity, from the memory planner when rank budgets are given (DESIGN §5),
+and each rank's check of what it allocated against its ledger row."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import structlog
+import torch
+
+from ringserve.engine.boot import EngineConfig, even_split, resolve_dtype
+from ringserve.engine.plan import Plan, plan
+from ringserve.models.config import ModelConfig
+
+log = structlog.get_logger(__name__)
+
+
+def size_ring(
+    config: EngineConfig, pp_size: int, rank_memory_mib: list[int] | str | None
+) -> tuple[EngineConfig, Plan | None]:
+    """The config every rank is started with. With budgets the planner picks
+    the split and capacity; without, the split is given or even and the
+    capacity is the configured one."""
+    cfg = ModelConfig.from_dir(config.model_dir)
+    if rank_memory_mib is None:
+        split = config.layer_split or tuple(even_split(cfg.num_layers, pp_size))
+        check_split(split, pp_size, cfg.num_layers)
+        return replace(config, layer_split=tuple(split)), None
+    if config.layer_split is not None:
+        raise ValueError("give rank memory budgets or a layer split, not both: the planner picks the split")
+    solved = plan(
+        config.model_dir,
+        pp_size=pp_size,
+        rank_memory_mib=rank_memory_mib,
+        max_num_tokens_per_pass=config.max_tokens_per_pass,
+        max_num_seqs=config.max_batch,
+        dtype=resolve_dtype(config.dtype, cfg),
+    )
+    sized = replace(
+        config,
+        layer_split=tuple(solved.layer_split),
+        kv_capacity_tokens=solved.capacity_tokens,
+        plan=solved.to_dict(),
+    )
+    return sized, solved
+
+
+def check_split(split: tuple[int, ...] | list[int], pp_size: int, num_layers: int) -> None:
+    if len(split) != pp_size or sum(split) != num_layers or min(split) < 1:
+        raise ValueError(
+            f"layer_split {list(split)} must give {pp_size} ranks >= 1 layer each, "
+            f"{num_layers} layers in all"
+        )
+
+
+def check_allocation(plan_dict: dict[str, Any] | None, rank: int, model: torch.nn.Module, kv_bytes: int) -> None:
+    """Log what this rank allocated against its ledger row; anything beyond
+    the plan is reported as unforeseen."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if plan_dict is None:
+        log.info("plan.allocated", rank=rank, weights=weights, kv=kv_bytes, planned=False)
+        return
+    row = plan_dict["ranks"][rank]
+    planned = {"weights": row["weights"]["bytes"], "kv": row["kv"]["bytes"]}
+    actual = {"weights": weights, "kv": kv_bytes}
+    log.info("plan.allocated", rank=rank, planned=planned, actual=actual)
+    for part, nbytes in actual.items():
+        if nbytes > planned[part]:
+            log.warning("plan.unforeseen", rank=rank, part=part, planned=planned[part], actual=nbytes)

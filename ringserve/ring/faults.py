@@ -1,0 +1,134 @@
+"""Injected faults, for tests and drills: `RINGSERVE_FAULTS` holds
+comma-separated rules, each `action:key=value:...`:
+
+* `void:rank=R:every=K`   rank R declares every K-th pass void (pass ids
+  K-1, 2K-1, ... since ids count from 0), as if its forward had failed;
+* `drop:rank=R:kind=hidden:pass=P`   rank R does not send that message
+  (`kind` is a message tag: decision, hidden, output, void, control);
+* `crash:rank=R:pass=P`   rank R exits abruptly (os._exit) at pass P;
+* `slow:rank=R:ms=M`   rank R sleeps M ms per forward.
+
+Every rule is validated when parsed, whichever rank it names, so a typo fails
+every rank at start-up instead of silently injecting nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ringserve.ring.messages import MESSAGE_TYPES, Message
+
+ENV_VAR = "RINGSERVE_FAULTS"
+
+_KEYS: dict[str, tuple[str, ...]] = {
+    "void": ("rank", "every"),
+    "drop": ("rank", "kind", "pass"),
+    "crash": ("rank", "pass"),
+    "slow": ("rank", "ms"),
+}
+_MINIMUM = {"rank": 0, "every": 1, "pass": 0, "ms": 0}
+_KINDS: dict[str, type[Message]] = {t.__struct_config__.tag: t for t in MESSAGE_TYPES}
+
+
+@dataclass(frozen=True, slots=True)
+class FaultRule:
+    """One parsed rule; `fields` holds its integer keys (all but `kind`)."""
+
+    action: str
+    rank: int
+    fields: Mapping[str, int]
+    kind: type[Message] | None = None
+
+
+def parse_rules(spec: str) -> tuple[FaultRule, ...]:
+    """Every rule of a `RINGSERVE_FAULTS` value; ValueError naming the rule
+    and what is wrong with it."""
+    return tuple(_parse_rule(text.strip()) for text in spec.split(",") if text.strip())
+
+
+def _parse_rule(text: str) -> FaultRule:
+    action, *pairs = text.split(":")
+    if action not in _KEYS:
+        raise ValueError(
+            f"fault rule {text!r}: unknown action {action!r} (one of {', '.join(_KEYS)})"
+        )
+    values: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in _KEYS[action] or key in values:
+            allowed = ", ".join(_KEYS[action])
+            raise ValueError(
+                f"fault rule {text!r}: bad field {pair!r} (a {action} rule takes {allowed}, once each)"
+            )
+        values[key] = value
+    missing = [key for key in _KEYS[action] if key not in values]
+    if missing:
+        raise ValueError(f"fault rule {text!r}: missing {', '.join(missing)}")
+    kind = None
+    if "kind" in values:
+        kind = _KINDS.get(values.pop("kind"))
+        if kind is None:
+            raise ValueError(f"fault rule {text!r}: kind must be one of {', '.join(_KINDS)}")
+    ints = {key: _integer(text, key, value) for key, value in values.items()}
+    rank = ints.pop("rank")
+    return FaultRule(action, rank, types.MappingProxyType(ints), kind)
+
+
+def _integer(text: str, key: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"fault rule {text!r}: {key} must be an integer, got {value!r}") from None
+    if number < _MINIMUM[key]:
+        raise ValueError(
+            f"fault rule {text!r}: {key} must be at least {_MINIMUM[key]}, got {number}"
+        )
+    return number
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    """The faults one rank injects. Invariant: built only from validated
+    rules; an empty plan injects nothing."""
+
+    rank: int
+    void_every: frozenset[int] = field(default_factory=frozenset)
+    drops: frozenset[tuple[type[Message], int]] = field(default_factory=frozenset)
+    crash_passes: frozenset[int] = field(default_factory=frozenset)
+    slow_ms: int = 0
+
+    @classmethod
+    def parse(cls, spec: str, rank: int) -> FaultPlan:
+        """The plan of `rank` from a `RINGSERVE_FAULTS` value."""
+        mine = [rule for rule in parse_rules(spec) if rule.rank == rank]
+        slow = [rule.fields["ms"] for rule in mine if rule.action == "slow"]
+        if len(slow) > 1:
+            raise ValueError(f"fault rules give rank {rank} {len(slow)} slow rules; give it one")
+        return cls(
+            rank=rank,
+            void_every=frozenset(r.fields["every"] for r in mine if r.action == "void"),
+            drops=frozenset((r.kind, r.fields["pass"]) for r in mine if r.action == "drop"),
+            crash_passes=frozenset(r.fields["pass"] for r in mine if r.action == "crash"),
+            slow_ms=slow[0] if slow else 0,
+        )
+
+    @classmethod
+    def from_env(cls, rank: int, environ: Mapping[str, str] | None = None) -> FaultPlan:
+        env = os.environ if environ is None else environ
+        return cls.parse(env.get(ENV_VAR, ""), rank)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.void_every or self.drops or self.crash_passes or self.slow_ms)
+
+    def should_void(self, pass_id: int) -> bool:
+        return any((pass_id + 1) % every == 0 for every in self.void_every)
+
+    def should_drop(self, kind: type[Message], pass_id: int) -> bool:
+        return (kind, pass_id) in self.drops
+
+    def should_crash(self, pass_id: int) -> bool:
+        return pass_id in self.crash_passes

@@ -1,0 +1,271 @@
+"""One rank of a ring test, run as a child process by tests/test_ring_links.py:
+
+    python tests/ring_peer.py --rank R --world W --port P --scenario NAME
+
+Each rank links to its successor and from its predecessor on one tag and
+plays its part of the scenario. Everything it reports goes to stdout as JSON
+lines: structlog events (`wedge.suspect`, `link.failed`, ...) and `peer.*`
+records the test reads. `--drop-handles` mutates this process only: its
+SendLink drops every Work handle right after posting (the defect the link's
+retention prevents); nothing in the product can switch that on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+import uvloop
+
+from ringserve.ring.group import close_group, init_group
+from ringserve.ring.inbox import Inbox
+from ringserve.ring.link import LinkError, RecvLink, SendLink
+from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output
+from ringserve.ring.watchdog import Health, Owed, watched
+
+TAG = 3
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)
+FIFO_PASSES = 12
+
+
+def report(event: str, **fields: object) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def pass_tensors(pass_id: int) -> tuple[torch.Tensor, ...]:
+    """The tensors Hidden(pass_id) carries in the fifo scenario: every dtype in
+    turn, a non-contiguous view, a second tensor, and scalar/empty shapes."""
+    gen = torch.Generator().manual_seed(pass_id)
+    dtype = DTYPES[pass_id % len(DTYPES)]
+    base = torch.randn(3, 5, 2, generator=gen) * 50
+    hidden = base.to(dtype) if dtype.is_floating_point else base.to(torch.int64).to(dtype)
+    if pass_id % 3 == 1:
+        hidden = hidden.transpose(0, 1)  # travels as a contiguous copy
+    tensors = (hidden, torch.arange(pass_id + 1, dtype=torch.int64))
+    if pass_id == FIFO_PASSES - 1:
+        tensors += (torch.tensor(2.5), torch.empty(0, 4))
+    return tensors
+
+
+def same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True)
+    )
+
+
+@dataclass
+class Peer:
+    rank: int
+    world: int
+    inbox: Inbox
+    health: Health
+    send: SendLink
+    recv: RecvLink | None
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.world
+
+    def open_recv(self) -> None:
+        self.recv = RecvLink(self.prev, TAG, self.inbox)
+
+    async def close(self) -> None:
+        await self.send.close(timeout_s=2.0)
+        if self.recv is not None:
+            await self.recv.close(timeout_s=2.0)
+
+
+async def fifo(peer: Peer) -> None:
+    """Decision, Hidden (tensors) and Output round a ring of 3, in order."""
+    errors, seen = [], []
+    if peer.rank == 0:
+        for p in range(FIFO_PASSES):
+            await peer.send.send(Decision(p, p % 2, 0, [], [], []))
+            await peer.send.send(Hidden(p), pass_tensors(p))
+        for p in range(FIFO_PASSES):
+            out, _ = await peer.inbox.get(Output)
+            seen.append(out.pass_id)
+            if out.tokens != [p, peer.world - 1]:
+                errors.append(f"output {out.pass_id} carries {out.tokens}")
+    else:
+        for p in range(FIFO_PASSES):
+            decision, _ = await peer.inbox.get(Decision)
+            hidden, tensors = await peer.inbox.get(Hidden)
+            seen.append(hidden.pass_id)
+            if (decision.pass_id, hidden.pass_id) != (p, p):
+                errors.append(f"expected pass {p}, got {decision.pass_id}/{hidden.pass_id}")
+            if not same(tensors, tuple(t.contiguous() for t in pass_tensors(p))):
+                errors.append(f"tensors of pass {p} differ")
+            if peer.rank == peer.world - 1:
+                await peer.send.send(Output(p, [p, peer.rank]))
+            else:
+                await peer.send.send(decision)
+                await peer.send.send(hidden, tensors)
+    report("peer.result", rank=peer.rank, seen=seen, errors=errors)
+
+
+async def dispatch(peer: Peer) -> None:
+    """A Hidden arriving while Control is awaited must not satisfy it."""
+    if peer.rank == 0:
+        await peer.send.send(Hidden(7), (torch.arange(4.0),))
+        await asyncio.sleep(0.5)
+        await peer.send.send(Control(ControlKind.HEARTBEAT, seq=1))
+        return
+    control, _ = await peer.inbox.get(Control)
+    hidden_pending = peer.inbox.pending(Hidden)
+    hidden, tensors = await peer.inbox.get(Hidden)
+    report(
+        "peer.result",
+        control=[str(control.kind), control.seq],
+        hidden_pending=hidden_pending,
+        hidden=hidden.pass_id,
+        tensor=tensors[0].tolist(),
+    )
+
+
+class Ticker:
+    """Counts event-loop ticks and the longest gap between them."""
+
+    def __init__(self) -> None:
+        self.ticks, self.max_gap = 0, 0.0
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            self.ticks, self.max_gap = self.ticks + 1, max(self.max_gap, now - last)
+            last = now
+
+    def stop(self) -> dict[str, float]:
+        self._task.cancel()
+        return {"ticks": self.ticks, "max_gap": self.max_gap}
+
+
+async def backpressure(peer: Peer) -> None:
+    """Sends beyond max_in_flight wait until the late receiver reads."""
+    if peer.rank == 1:
+        await asyncio.sleep(1.5)
+        report("peer.reading", at=time.monotonic())
+        peer.open_recv()
+        for _ in range(5):
+            await peer.inbox.get(Hidden)
+        return
+    ticker, returned, in_flight = Ticker(), [], []
+    for p in range(5):
+        await peer.send.send(Hidden(p), (torch.full((64,), float(p)),))
+        returned.append(time.monotonic())
+        in_flight.append(peer.send.in_flight)
+    report("peer.result", returned=returned, in_flight=in_flight, **ticker.stop())
+
+
+async def kill(peer: Peer) -> None:
+    """Rank 1 is SIGKILLed by the test; rank 0 must see LinkError, not hang."""
+    if peer.rank == 1:
+        report("peer.ready")
+        await asyncio.sleep(3600)
+    report("peer.waiting", at=time.monotonic())
+    try:
+        await watched(peer.inbox.get(Output), Owed(0, Output, 1), 30.0, peer.health)
+    except LinkError as exc:
+        report("peer.get_failed", at=time.monotonic(), peer=exc.peer, error=str(exc))
+    try:
+        for p in range(4):
+            await peer.send.send(Hidden(p), (torch.zeros(1024),))
+        await peer.send.flush()
+    except LinkError as exc:
+        report("peer.send_failed", peer=exc.peer, error=str(exc))
+    report("peer.result", health=peer.health.reason)
+
+
+async def retention(peer: Peer) -> None:
+    """Rank 0 sends before rank 1 posts its receive; only a retained handle
+    survives that. Rank 1 watches the wait and answers READY either way."""
+    if peer.rank == 0:
+        await peer.send.send(Hidden(0), (torch.arange(8.0),))
+        try:  # a dropped handle wedges the whole gloo pair, both directions
+            await watched(peer.inbox.get(Control), Owed(0, Control, 1), 10.0, peer.health)
+        except LinkError as exc:
+            report("peer.gone", peer=exc.peer)
+        return
+    await asyncio.sleep(1.0)
+    peer.open_recv()
+    owed = watched(peer.inbox.get(Hidden), Owed(0, Hidden, 0), 0.5, peer.health)
+    task = asyncio.ensure_future(owed)
+    await asyncio.wait((task,), timeout=1.5)
+    reason_while_waiting = peer.health.reason
+    done, _ = await asyncio.wait((task,), timeout=1.0)
+    delivered = bool(done) and task.exception() is None
+    if not done:
+        task.cancel()
+    report(
+        "peer.result", delivered=delivered, reason=reason_while_waiting, healthy=peer.health.healthy
+    )
+    await peer.send.send(Control(ControlKind.READY, rank=1))
+
+
+async def ticker(peer: Peer) -> None:
+    """The loop keeps ticking while a large receive is pending."""
+    if peer.rank == 0:
+        await asyncio.sleep(1.0)
+        await peer.send.send(Hidden(0), (torch.ones(4 << 20),))  # 16 MiB
+        return
+    tick = Ticker()
+    started = time.monotonic()
+    _, tensors = await peer.inbox.get(Hidden)
+    waited = time.monotonic() - started
+    report("peer.result", waited=waited, numel=tensors[0].numel(), **tick.stop())
+
+
+SCENARIOS: dict[str, Callable[[Peer], Awaitable[None]]] = {
+    f.__name__: f for f in (fifo, dispatch, backpressure, kill, retention, ticker)
+}
+
+
+def drop_handles() -> None:
+    """The mutation: pretend each message completed and drop its handles."""
+    SendLink._retain = lambda self, pending: self._loop.call_soon(self._observed, None)
+
+
+async def main(args: argparse.Namespace) -> None:
+    init_group(args.rank, args.world, "127.0.0.1", args.port, connect_timeout_s=30.0)
+    inbox = Inbox()
+    send = SendLink((args.rank + 1) % args.world, TAG, args.max_in_flight, inbox=inbox)
+    peer = Peer(args.rank, args.world, inbox, Health(args.rank), send, None)
+    if args.scenario not in ("backpressure", "retention") or args.rank == 0:
+        peer.open_recv()
+    await SCENARIOS[args.scenario](peer)
+    await peer.close()
+    close_group()
+    report("peer.exit", rank=args.rank)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--max-in-flight", type=int, default=2)
+    parser.add_argument("--drop-handles", action="store_true")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    cli = parse_args()
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+    )
+    if cli.drop_handles:
+        drop_handles()
+    (uvloop.run if cli.loop == "uvloop" else asyncio.run)(main(cli))

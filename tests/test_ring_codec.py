@@ -1,0 +1,161 @@
+"""The ring codec: msgpack payloads of every message type and the frame
+(header, payload, tensors) a link sends, read back the way a reader does."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringserve.ring import codec
+from ringserve.ring.codec import FrameError
+from ringserve.ring.messages import (
+    Control,
+    ControlKind,
+    Decision,
+    Entry,
+    Hidden,
+    NewRequest,
+    Output,
+    SamplingSpec,
+    TopLogprobs,
+    Void,
+)
+
+MESSAGES = [
+    Decision(
+        pass_id=812,
+        mb_slot=1,
+        kv_epoch=3,
+        new_requests=[NewRequest(5, SamplingSpec(temperature=0.7, top_k=40, seed=11))],
+        entries=[Entry(5, 0, [1, 2, 3], [9, 10, 11], True, reuse=[4, 6])],
+        dropped=[2],
+    ),
+    Hidden(812),
+    Hidden(813, void="forward raised: out of memory", void_rank=2),
+    Output(
+        812, [17, 42], logprobs=[-0.5, -1.25], top_logprobs=[TopLogprobs([17, 3], [-0.5, -2.0])]
+    ),
+    Void(813, rank=2, reason="kv epoch 3 is not 4"),
+    Control(ControlKind.KV_EPOCH, seq=7, rank=1, epoch=4, reason="restart"),
+]
+
+
+def receive(buffers: list[torch.Tensor]) -> tuple[object, tuple[torch.Tensor, ...]]:
+    """Read a frame into fresh buffers sized from its header, as a reader does."""
+    header = codec.empty_header()
+    header.copy_(buffers[0])
+    announced = codec.unpack_header(header)
+    payload = torch.empty(announced.payload_len, dtype=torch.uint8)
+    payload.copy_(buffers[1])
+    tensors = tuple(spec.empty() for spec in announced.tensors)
+    for dst, src in zip(tensors, buffers[2:], strict=True):
+        dst.copy_(src)
+    return codec.decode(memoryview(payload.numpy())), tensors
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_type_round_trips(msg) -> None:
+    decoded = codec.decode(codec.encode(msg))
+    assert type(decoded) is type(msg) and decoded == msg
+
+
+def test_payload_is_plain_tagged_msgpack() -> None:
+    raw = msgspec.msgpack.decode(codec.encode(Hidden(3, void="x", void_rank=1)))
+    assert raw == {"type": "hidden", "pass_id": 3, "void": "x", "void_rank": 1}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"\x80\x04\x95garbage", msgspec.msgpack.encode({"type": "nope", "pass_id": 1})],
+    ids=["pickle-like bytes", "unknown kind"],
+)
+def test_decode_rejects_what_is_not_a_ring_message(payload: bytes) -> None:
+    with pytest.raises(FrameError, match="not a ring message"):
+        codec.decode(payload)
+
+
+@pytest.mark.parametrize("dtype", list(codec.DTYPE_CODES), ids=str)
+def test_frame_carries_each_dtype_bit_exact(dtype: torch.dtype) -> None:
+    values = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1)) * 100
+    t = values.to(dtype) if dtype.is_floating_point else values.to(torch.int64).to(dtype)
+    msg, (back,) = receive(codec.frame(Hidden(1), (t,)))
+    assert msg == Hidden(1)
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_frame_makes_views_contiguous_and_keeps_order() -> None:
+    view = torch.arange(12.0).reshape(3, 4).t()
+    extra = torch.arange(5, dtype=torch.int32)
+    buffers = codec.frame(Hidden(2), (view, extra))
+    assert len(buffers) == 4 and all(b.is_contiguous() for b in buffers)
+    _, (a, b) = receive(buffers)
+    assert torch.equal(a, view) and torch.equal(b, extra)
+
+
+def test_header_has_a_fixed_size_whatever_the_frame_carries() -> None:
+    small = codec.frame(Control(ControlKind.HEARTBEAT))[0]
+    full = codec.frame(Hidden(1), [torch.zeros(1, 2, 3, 4)] * codec.MAX_TENSORS)[0]
+    assert small.shape == full.shape == (codec.HEADER_LEN,)
+    assert small.dtype == full.dtype == torch.int64
+
+
+def test_only_a_shutdown_frame_is_final() -> None:
+    shutdown = codec.frame(Control(ControlKind.SHUTDOWN, rank=2))[0]
+    assert codec.unpack_header(shutdown).final
+    for msg in MESSAGES + [Control(ControlKind.HEARTBEAT)]:
+        assert not codec.unpack_header(codec.frame(msg)[0]).final
+
+
+def test_scalar_and_empty_tensors_round_trip() -> None:
+    _, (scalar, empty) = receive(codec.frame(Hidden(1), (torch.tensor(2.5), torch.empty(0, 4))))
+    assert scalar.shape == () and scalar.item() == 2.5
+    assert empty.shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "match"),
+    [
+        ([torch.zeros(1)] * (codec.MAX_TENSORS + 1), "at most 4 tensors"),
+        ([torch.zeros(1, 1, 1, 1, 1)], "at most 4 dims"),
+        ([torch.zeros(2, dtype=torch.float64)], "cannot travel"),
+        ([torch.zeros(2, device="meta")], "travel from the CPU"),
+    ],
+    ids=["too many tensors", "too many dims", "float64", "not on the CPU"],
+)
+def test_frame_refuses_what_the_header_cannot_describe(tensors, match: str) -> None:
+    with pytest.raises(FrameError, match=match):
+        codec.frame(Hidden(1), tensors)
+
+
+def test_header_out_of_step_is_refused() -> None:
+    header = codec.frame(Hidden(1), (torch.zeros(2),))[0]
+    garbage = header.clone()
+    garbage[0] = 12345
+    with pytest.raises(FrameError, match="out of step"):
+        codec.unpack_header(garbage)
+    bad_dtype = header.clone()
+    bad_dtype[4] = 99  # the first tensor's dtype code
+    with pytest.raises(FrameError, match="dtype code 99"):
+        codec.unpack_header(bad_dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=st.lists(
+        st.lists(st.integers(0, 5), max_size=codec.MAX_DIMS), max_size=codec.MAX_TENSORS
+    ),
+    dtype_index=st.integers(0, len(codec.DTYPE_CODES) - 1),
+    pass_id=st.integers(0, 2**40),
+)
+def test_any_describable_frame_round_trips(shapes, dtype_index: int, pass_id: int) -> None:
+    dtype = list(codec.DTYPE_CODES)[dtype_index]
+    tensors = tuple(torch.arange(math.prod(s)).reshape(s).to(dtype) for s in shapes)
+    msg, back = receive(codec.frame(Hidden(pass_id), tensors))
+    assert msg == Hidden(pass_id)
+    assert [(b.dtype, b.shape) for b in back] == [(t.dtype, t.shape) for t in tensors]
+    assert all(torch.equal(b, t) for b, t in zip(back, tensors, strict=True))
