@@ -218,3 +218,18 @@ def test_bad_prompts_are_refused_with_a_reason(factory):
     with pytest.raises(ValueError, match="KV pool"):
         sched.add(factory(list(range(20)), SamplingParams()))
     assert sched.idle
+
+
+def test_a_prompt_sharing_a_prefix_in_prefill_waits_for_its_kv(factory):
+    sched = make()
+    shared = list(range(40))
+    first = submit(sched, factory, shared + [90])
+    second = submit(sched, factory, shared + [91, 92])
+    d0 = sched.schedule()
+    assert [e.req_id for e in d0.entries] == [first.req_id]
+    sched.on_output(oracle(d0))
+    d1 = sched.schedule()
+    entry = next(e for e in d1.entries if e.req_id == second.req_id)
+    assert entry.reuse is not None and len(entry.reuse) == 40
+    sched.on_output(oracle(d1))
+    run_all(sched)

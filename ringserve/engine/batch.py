@@ -29,6 +29,7 @@ class ForwardBatch:
     qo_indptr: torch.Tensor  # [B + 1] int64, offsets of each sequence's rows
     q_index: torch.Tensor  # [B, Q] int64, row of each padded query (0 where padding)
     q_valid: torch.Tensor  # [B, Q] bool, which padded queries are real
+    valid_rows: torch.Tensor  # [T] int64, index of each real query in the flattened [B * Q]
     attn_mask: torch.Tensor  # [B, 1, Q, L] bool, True where a query may attend
     sample_rows: torch.Tensor  # [S] int64, rows whose logits are sampled
     max_extend: int
@@ -64,9 +65,7 @@ class ForwardBatch:
             if not 0 < e <= n:
                 raise ValueError(f"extend length {e} outside 1..{n}")
         bsz, width, q_max = len(rows), max(seq_lens), max(extend_lens)
-        req_slots = torch.zeros(bsz, width, dtype=torch.int64)
-        for b, r in enumerate(rows):
-            req_slots[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        req_slots = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
         seq_t = torch.tensor(seq_lens, dtype=torch.int64)
         ext_t = torch.tensor(extend_lens, dtype=torch.int64)
         indptr = torch.zeros(bsz + 1, dtype=torch.int64)
@@ -93,6 +92,7 @@ class ForwardBatch:
             qo_indptr=indptr.to(dev),
             q_index=q_index.to(dev),
             q_valid=q_valid.to(dev),
+            valid_rows=q_valid.view(-1).nonzero()[:, 0].to(dev),
             attn_mask=mask[:, None].to(dev),
             sample_rows=sample_rows.to(dev),
             max_extend=q_max,

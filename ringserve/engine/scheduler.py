@@ -19,6 +19,12 @@ from ringserve.ring.messages import Decision, Entry, NewRequest, Output, Void
 
 log = structlog.get_logger(__name__)
 
+# A waiting request whose prompt shares at least this many more tokens with
+# a prompt still being prefilled waits for that prefill to reach the cache.
+SHARED_PREFIX_MIN = 16
+# When slots run short, evict at least capacity / EVICT_FRACTION at once.
+EVICT_FRACTION = 64
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -155,6 +161,9 @@ class Scheduler:
         while self.waiting and self._room(draft):
             req = self.waiting[0]
             reuse, node = self._match(req)
+            if self._prefix_pending(req, len(reuse)):
+                log.debug("request.deferred", req=req.req_id, cached=len(reuse))
+                return
             n = min(len(req.tokens) - len(reuse), self.config.chunk_size, draft.budget)
             self.cache.lock(node)
             slots = self._alloc(n, draft, asker=None)
@@ -168,6 +177,18 @@ class Scheduler:
             self.running.append(req)
             draft.admitted.append(NewRequest(req.req_id, req.spec))
             self._add_entry(draft, req, slots, reuse=reuse)
+
+    def _prefix_pending(self, req: Request, cached: int) -> bool:
+        """Whether a request whose prompt is not yet cached shares more of it than
+        the cache holds: waiting one pass for its KV beats computing it twice."""
+        if not self.config.prefix_reuse:
+            return False
+        tokens = req.tokens
+        need = cached + SHARED_PREFIX_MIN
+        for other in self.running:
+            if not other.output and _common_prefix(other.prompt, tokens, need) >= need:
+                return True
+        return False
 
     def _match(self, req: Request) -> tuple[list[int], object]:
         """Longest cached prefix, leaving at least one token to compute."""
@@ -195,7 +216,10 @@ class Scheduler:
         itself, which then waits); None means the asker waits or parks."""
         short = n - self.allocator.available
         if short > 0:
-            self.cache.evict(short)  # the cache logs asked and freed
+            # evict in batches: each call walks the tree, and a pass of decodes
+            # would otherwise ask for one slot at a time
+            batch = max(short, self.allocator.capacity // EVICT_FRACTION)
+            self.cache.evict(batch)  # the cache logs asked and freed
         while asker is not None and n > self.allocator.available:
             victim = self._retract_candidate(draft)
             if victim is None:
@@ -318,3 +342,14 @@ class Scheduler:
     def census(self) -> Census:
         held = sum(len(r.private) for r in self.running)
         return take_census(self.allocator, self.cache, held)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of a and b, counted up to `limit`."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -34,10 +34,22 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's pooled context
     (prefix slots and the new tokens before it). Returns [T, Hq, D]."""
-    qp = q[batch.q_index].transpose(1, 2)  # [B, Hq, Q, D]
-    k = k_cache[batch.req_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-    v = v_cache[batch.req_slots].transpose(1, 2).to(q.dtype)
+    bsz, width = batch.req_slots.shape
+    flat = batch.req_slots.view(-1)
+    # index_select on the flattened slots is much cheaper on CPU than
+    # advanced indexing with a 2-D index.
+    k = k_cache.index_select(0, flat).view(bsz, width, *k_cache.shape[1:])
+    v = v_cache.index_select(0, flat).view(bsz, width, *v_cache.shape[1:])
+    k = k.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    v = v.transpose(1, 2).to(q.dtype)
+    if batch.decode_only:  # one query per sequence: rows are already in order
+        qp = q[:, None].transpose(1, 2)  # [B, Hq, 1, D]
+    else:
+        qp = q.index_select(0, batch.q_index.view(-1)).view(bsz, -1, *q.shape[1:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         qp, k, v, attn_mask=batch.attn_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
-    return out.transpose(1, 2)[batch.q_valid]
+    out = out.transpose(1, 2)  # [B, Q, Hq, D]
+    if batch.decode_only:
+        return out[:, 0]
+    return out.reshape(-1, *out.shape[2:]).index_select(0, batch.valid_rows)
