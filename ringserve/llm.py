@@ -37,9 +37,8 @@ class LLM:
         if pp_size < 1:
             raise ValueError("pp_size must be >= 1")
         split = tuple(layer_split) if layer_split is not None else None
-        self.config = EngineConfig(
-            model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options
-        )
+        config = EngineConfig(model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options)
+        self.config, self.plan = size_ring(config, pp_size, rank_memory_mib)
         self.pp_size = pp_size
         self._engine: Engine | None = None
         self._ring: LocalRing | None = None

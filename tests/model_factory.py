@@ -19,6 +19,8 @@ stable.
                   (head_dim 24), q/k/v biases, tied embeddings, vocab 384.
     qwen3_qknorm  Qwen3, 2 layers, hidden 64, head_dim 32 (q width 128 is
                   not hidden), 4 heads / 2 KV heads, q/k RMSNorm, vocab 256.
+    llama_deep    Llama, 8 layers, hidden 64, 4 heads / 2 KV heads, vocab
+                  256: deep enough for the memory planner to split unevenly.
     bigcode_mqa   GPT-BigCode, 3 layers, n_embd 64, 4 heads, multi-query,
                   n_inner 160, gelu_pytorch_tanh, vocab 320.
 """
@@ -79,6 +81,26 @@ def llama_gqa(tmp: Path, *, rope_scaling: bool = False) -> Path:
     path = _save(LlamaForCausalLM, cfg, tmp / name, seed=11, shard=True)
     write_tokenizer(path, vocab_size=512, model_max_length=MAX_POSITIONS)
     return path
+
+
+def llama_deep(tmp: Path) -> Path:
+    """An 8-layer Llama (otherwise tiny), deep enough for an uneven plan."""
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=INIT_RANGE,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    return _save(LlamaForCausalLM, cfg, tmp / "llama_deep", seed=13)
 
 
 def qwen2_tied(tmp: Path) -> Path:

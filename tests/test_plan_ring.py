@@ -1,0 +1,43 @@
+"""The memory planner drives a real ring: uneven budgets give an uneven
+split with one capacity on every rank, and outputs still equal transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ringserve import LLM, SamplingParams
+from ringserve.engine.boot import even_split
+from ringserve.engine.plan import PlanError
+from tests import model_factory
+from tests.workloads import ENGINE_OPTIONS, NEW_TOKENS, hf_greedy, reference_prompts
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_uneven_budgets_give_an_uneven_plan_and_equal_outputs(tmp_path):
+    path = model_factory.llama_deep(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = reference_prompts(hf.config.vocab_size)
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    options = {k: v for k, v in ENGINE_OPTIONS.items() if k != "kv_capacity_tokens"}
+    llm = LLM(path, pp_size=3, rank_memory_mib=[900, 300, 300], **options)
+    try:
+        plan = llm.plan
+        assert plan is not None and list(plan.layer_split) != even_split(8, 3)
+        assert plan.layer_split[0] > max(plan.layer_split[1:])
+        assert llm.config.kv_capacity_tokens == plan.capacity_tokens
+        assert all(e.headroom >= 0 for e in plan.ledger)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == expected
+    finally:
+        procs = list(llm._ring.children.procs.values())
+        llm.close()
+        assert all(p.poll() is not None for p in procs)
+
+
+def test_a_budget_that_cannot_hold_its_slice_is_refused_before_any_rank_starts(tmp_path):
+    path = model_factory.llama_deep(tmp_path)
+    with pytest.raises(PlanError, match="rank 2"):
+        LLM(path, pp_size=3, rank_memory_mib=[900, 300, 1])
