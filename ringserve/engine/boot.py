@@ -67,6 +67,7 @@ class EngineConfig:
     wedge_timeout_s: float = 30.0
     heartbeat_s: float = 1.0
     layer_split: tuple[int, ...] | None = field(default=None)
+    torch_threads: int | None = None
     plan: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +93,8 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
     """Load this rank's slice and size its pool with the ring's one capacity."""
     dtype = TORCH_DTYPES[resolve_dtype(config.dtype, cfg)]
     device = torch.device(config.device)
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
     model = load_model(config.model_dir, cfg, layers, dtype, device)
     pool = KVPool(
         len(layers), config.kv_capacity_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
@@ -59,18 +59,21 @@ class Launcher:
         self.stopping = False
 
     def start(self) -> None:
-        threads = max(1, (os.cpu_count() or 1) // len(self.node.ranks))
+        config = self.config
+        if config.torch_threads is None:  # share this node's cores between its ranks
+            threads = max(1, (os.cpu_count() or 1) // len(self.node.ranks))
+            config = replace(config, torch_threads=threads)
         for rank in self.node.ranks:
             spec = RankSpec(rank, self.node.world, self.node.master_addr, self.node.master_port)
-            cmd = child_command(spec, self.config) + ["--threads", str(threads)]
+            cmd = child_command(spec, config)
             if self.log_dir:
                 cmd += ["--log-dir", self.log_dir]
             if rank == 0:
                 cmd += ["--http", msgspec.json.encode(self.http).decode()]
                 cmd += ["--ready-file", str(self.ready_file)]
             layers = layer_range(list(self.config.layer_split or ()), rank)
-            say(f"starting rank {rank} (layers {layers.start}-{layers.stop - 1})")
-            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            self.procs[rank] = proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            say(f"started rank {rank} (layers {layers.start}-{layers.stop - 1}, pid {proc.pid})")
 
     def supervise(self) -> int:
         """Wait for readiness and then for the first rank to exit; returns

@@ -104,7 +104,7 @@ async def run_rank_zero(spec, config: EngineConfig, http: HttpOptions, ready_fil
         await announce_ready(ends, timeout_s=600.0)
     else:
         conductor = build_local_conductor(config)
-    app = create_app(conductor, http, plan=config_plan(config))
+    app = create_app(conductor, http, plan=config.plan, model_dir=config.model_dir)
     ready = Path(ready_file) if ready_file else None
     reason = await serve(conductor, app, http, ready)
     if ends is not None:

@@ -1,0 +1,203 @@
+"""An async client for a ringserve server, on aiohttp.
+
+    async with AsyncClient("http://127.0.0.1:8000") as client:
+        done = await client.complete("Once upon a time", max_tokens=32, temperature=0)
+        print(done.text, done.finish_reason, done.usage)
+        async for text in client.stream([{"role": "user", "content": "Hi"}]):
+            print(text, end="")
+
+Keyword parameters are the API's own fields (`max_tokens`, `temperature`,
+`stop`, `seed`, ...) and are sent as given. A refusal raises `ApiError`
+with the server's status and message; an error reported in the middle of a
+stream (the status line already sent as 200) raises one with status 500.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+import msgspec
+
+from ringserve.http.errors import ApiError, ErrorBody
+from ringserve.http.responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    Generation,
+    Health,
+    ModelList,
+)
+
+__all__ = [
+    "ApiError",
+    "AsyncClient",
+    "ChatCompletion",
+    "Completion",
+    "Generation",
+    "Health",
+]
+
+T = TypeVar("T")
+Messages = Sequence[dict[str, Any]]
+
+
+class AsyncClient:
+    """One aiohttp session to one server, opened on first use; `timeout_s`
+    bounds connecting and every wait for the server's next bytes (a long
+    stream is fine as long as tokens keep coming)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        model: str | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.model = model
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- the API ---------------------------------------------------------------
+
+    async def complete(self, prompt: str | Sequence[int], **params: Any) -> Completion:
+        body = self._body(prompt=_prompt(prompt), **params)
+        return await self._post("/v1/completions", body, Completion)
+
+    async def chat(self, messages: Messages, **params: Any) -> ChatCompletion:
+        body = self._body(messages=list(messages), **params)
+        return await self._post("/v1/chat/completions", body, ChatCompletion)
+
+    async def stream(
+        self, prompt: str | Sequence[int] | Messages, **params: Any
+    ) -> AsyncIterator[str]:
+        """Text deltas of one choice: a completion for a string or token ids,
+        a chat completion for a list of messages. To stop early, iterate
+        under `contextlib.aclosing`: closing the stream drops the connection,
+        and the server aborts the request."""
+        if params.get("n", 1) != 1:
+            raise ValueError("stream() follows one choice; use n=1")
+        chat = _is_messages(prompt)
+        if chat:
+            path, body = "/v1/chat/completions", self._body(messages=list(prompt), **params)
+        else:
+            path, body = "/v1/completions", self._body(prompt=_prompt(prompt), **params)
+        body["stream"] = True
+        # Closing this generator early closes the connection, which aborts
+        # the request on the server.
+        async with contextlib.aclosing(self._events(path, body)) as events:
+            async for event in events:
+                text = _chunk_text(event, chat)
+                if text:
+                    yield text
+
+    async def generate(self, input_ids: Sequence[int], **sampling: Any) -> Generation:
+        body = {"input_ids": list(input_ids), "sampling_params": sampling}
+        return await self._post("/generate", body, Generation)
+
+    async def health(self) -> Health:
+        """The server's health; unhealthy (503) is an answer, not an error."""
+        async with self._http().get(self.base_url + "/health") as resp:
+            raw = await resp.read()
+            if resp.status not in (200, 503):
+                raise _error(resp.status, raw)
+            return msgspec.json.decode(raw, type=Health)
+
+    async def models(self) -> list[str]:
+        listing = await self._get("/v1/models", ModelList)
+        return [card.id for card in listing.data]
+
+    # ---- plumbing ----------------------------------------------------------------
+
+    def _body(self, **fields: Any) -> dict[str, Any]:
+        if self.model is not None:
+            fields.setdefault("model", self.model)
+        return fields
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+            timeout = aiohttp.ClientTimeout(
+                total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s
+            )
+            self._session = aiohttp.ClientSession(headers=headers, timeout=timeout)
+        return self._session
+
+    async def _post(self, path: str, body: dict[str, Any], kind: type[T]) -> T:
+        data = msgspec.json.encode(body)
+        headers = {"Content-Type": "application/json"}
+        async with self._http().post(self.base_url + path, data=data, headers=headers) as resp:
+            return _decode(resp.status, await resp.read(), kind)
+
+    async def _get(self, path: str, kind: type[T]) -> T:
+        async with self._http().get(self.base_url + path) as resp:
+            return _decode(resp.status, await resp.read(), kind)
+
+    async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The JSON events of a server-sent stream, up to [DONE]."""
+        data = msgspec.json.encode(body)
+        headers = {"Content-Type": "application/json"}
+        async with self._http().post(self.base_url + path, data=data, headers=headers) as resp:
+            if resp.status != 200:
+                raise _error(resp.status, await resp.read())
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[len(b"data: ") :].strip()
+                if payload == b"[DONE]":
+                    return
+                event = msgspec.json.decode(payload)
+                if isinstance(event, dict) and "error" in event:
+                    raise _error(500, payload)
+                yield event
+        raise ApiError(502, "the stream ended without [DONE]")
+
+
+def _chunk_text(event: dict[str, Any], chat: bool) -> str | None:
+    if chat:
+        chunk = msgspec.convert(event, ChatCompletionChunk)
+        return chunk.choices[0].delta.content if chunk.choices else None
+    completion = msgspec.convert(event, Completion)
+    return completion.choices[0].text if completion.choices else None
+
+
+def _decode(status: int, raw: bytes, kind: type[T]) -> T:
+    if status != 200:
+        raise _error(status, raw)
+    return msgspec.json.decode(raw, type=kind)
+
+
+def _error(status: int, raw: bytes) -> ApiError:
+    try:
+        detail = msgspec.json.decode(raw, type=ErrorBody).error
+    except msgspec.DecodeError:
+        return ApiError(status, raw.decode(errors="replace") or f"HTTP {status}")
+    return ApiError(status, detail.message, type=detail.type, param=detail.param, code=detail.code)
+
+
+def _prompt(prompt: str | Sequence[int]) -> str | list[int]:
+    return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+
+
+def _is_messages(prompt: object) -> bool:
+    return (
+        not isinstance(prompt, str)
+        and isinstance(prompt, Sequence)
+        and len(prompt) > 0
+        and isinstance(prompt[0], dict)
+    )

@@ -1,0 +1,97 @@
+"""The HTTP API of rank 0: an aiohttp application over the conductor, on
+the conductor's event loop (DESIGN §8).
+
+Routes are listed once, in ROUTES: the app registers them and the OpenAPI
+description is built from them.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ringserve.engine.conductor import Conductor
+from ringserve.engine.serve import HttpOptions
+from ringserve.http import chat, completions, info, native
+from ringserve.http.middleware import auth_middleware, error_middleware
+from ringserve.http.openapi import OPENAPI, Route, openapi_spec
+from ringserve.http.responses import (
+    ChatCompletion,
+    Completion,
+    Generation,
+    Health,
+    ModelList,
+)
+from ringserve.http.schemas import ChatRequest, CompletionRequest, GenerateRequest
+from ringserve.http.served import SERVED, ServedModel
+
+ROUTES = (
+    Route(
+        "POST",
+        "/v1/completions",
+        completions.create_completion,
+        "OpenAI text completion",
+        CompletionRequest,
+        Completion,
+        streams=True,
+    ),
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        chat.create_chat_completion,
+        "OpenAI chat completion, rendered with the model's chat template",
+        ChatRequest,
+        ChatCompletion,
+        streams=True,
+    ),
+    Route(
+        "POST",
+        "/generate",
+        native.generate,
+        "native generation: token ids in, token ids and text out",
+        GenerateRequest,
+        Generation,
+        streams=True,
+    ),
+    Route("GET", "/v1/models", info.models, "the served model", answer=ModelList),
+    Route(
+        "GET", "/health", info.health, "200 while the ring makes progress", answer=Health, open=True
+    ),
+    Route("GET", "/metrics", info.metrics, "Prometheus metrics", media="text/plain", open=True),
+    Route("GET", "/v1/plan", info.plan, "the memory plan: layer split and KV capacity"),
+    Route("GET", "/openapi.json", info.openapi, "this description"),
+)
+
+
+def create_app(
+    conductor: Conductor,
+    options: HttpOptions,
+    plan: dict[str, Any] | None = None,
+    *,
+    model_dir: Path | None = None,
+) -> web.Application:
+    """The API over `conductor`. The served model's name is
+    `options.model_name`, else `model_dir`'s name, else "ringserve"."""
+    open_paths = frozenset(r.path for r in ROUTES if r.open)
+    app = web.Application(
+        client_max_size=options.max_body_bytes,
+        middlewares=[
+            error_middleware(options.max_body_bytes),
+            auth_middleware(options.api_key, open_paths),
+        ],
+    )
+    app[SERVED] = ServedModel.build(conductor, options, plan, model_dir)
+    app[OPENAPI] = openapi_spec(ROUTES, _version(), secured=options.api_key is not None)
+    for route in ROUTES:
+        app.router.add_route(route.method, route.path, route.handler)
+    return app
+
+
+def _version() -> str:
+    try:
+        return version("ringserve")
+    except PackageNotFoundError:
+        return "0"

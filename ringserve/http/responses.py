@@ -1,0 +1,189 @@
+"""Response bodies of the HTTP API, in OpenAI's shapes, as msgspec Structs.
+The async client decodes into the same Structs, so there is one definition
+of each. Each choice also carries `token_ids` (an extension)."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+from aiohttp import web
+from msgspec import Struct
+
+
+def json_response(body: Struct, status: int = 200) -> web.Response:
+    return web.Response(
+        status=status, body=msgspec.json.encode(body), content_type="application/json"
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class Completion(Struct):
+    """A completion, or (in a stream) one chunk of it."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None = None
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return self.choices[0].token_ids
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(Struct):
+    content: str | None
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    object: str = "chat.completion"
+    usage: Usage | None = None
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].message.content or ""
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return self.choices[0].token_ids
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None = None
+
+
+class Generation(Struct):
+    """`/generate`'s answer: the generated ids and their text."""
+
+    output_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+
+
+class GenerationChunk(Struct, omit_defaults=True):
+    """One event of a streamed `/generate`; the last carries the finish
+    reason and the prompt's token counts."""
+
+    text: str
+    output_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "ringserve"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class Health(Struct, omit_defaults=True):
+    status: str
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"

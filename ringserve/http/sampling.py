@@ -1,0 +1,126 @@
+"""From an API request's sampling fields to the engine's SamplingParams.
+
+`max_tokens` defaults to 16 for completions (as OpenAI's) and, for chat, to
+what the context leaves after the prompt, capped at CHAT_DEFAULT_MAX_TOKENS.
+A `max_tokens` above the model's context is refused; one that fits the
+context but not after the prompt is served and ends with `length` where the
+context does. With `n` choices and a seed, choice i is sampled with seed+i,
+so the choices differ yet a request can be replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from ringserve.engine.params import SamplingParams
+from ringserve.http.errors import ApiError, bad_request
+from ringserve.http.schemas import (
+    MAX_CHOICES,
+    ChatRequest,
+    CompletionRequest,
+    NativeSampling,
+    SamplingFields,
+    unsupported_fields,
+)
+from ringserve.http.served import ServedModel
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+CHAT_DEFAULT_MAX_TOKENS = 256
+_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def refuse_unsupported(body: SamplingFields, prompts: int = 1) -> None:
+    names = unsupported_fields(body)
+    if names:
+        raise bad_request(f"{names[0]} is not supported by this server", param=names[0])
+    if prompts * body.n > MAX_CHOICES:
+        raise bad_request(
+            f"{prompts} prompts with n={body.n} make {prompts * body.n} choices; "
+            f"at most {MAX_CHOICES} per request",
+            param="n",
+        )
+
+
+def completion_max_tokens(served: ServedModel, body: CompletionRequest) -> int:
+    return bounded_max_tokens(
+        served, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens"
+    )
+
+
+def chat_max_tokens(served: ServedModel, body: ChatRequest, prompt_len: int) -> int:
+    if body.max_completion_tokens is not None:
+        return bounded_max_tokens(served, body.max_completion_tokens, "max_completion_tokens")
+    if body.max_tokens is not None:
+        return bounded_max_tokens(served, body.max_tokens, "max_tokens")
+    return max(1, min(CHAT_DEFAULT_MAX_TOKENS, served.max_model_len - prompt_len))
+
+
+def chat_logprobs_param(body: ChatRequest) -> int | None:
+    """OpenAI's chat form (`logprobs: bool`, `top_logprobs: int`) as the
+    engine's one number: None for none, k for the sampled token and k more."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if not body.logprobs:
+        return None
+    return body.top_logprobs or 0
+
+
+def choice_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None
+) -> list[SamplingParams]:
+    """One SamplingParams per choice; a 400 naming the field when invalid."""
+    stop = body.stop if body.stop is not None else ()
+    try:
+        return [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_k=body.top_k,
+                top_p=body.top_p,
+                min_p=body.min_p,
+                seed=None if body.seed is None else body.seed + i,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                stop=stop,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+            for i in range(body.n)
+        ]
+    except ValueError as exc:
+        raise invalid_params(exc) from None
+
+
+def native_params(served: ServedModel, s: NativeSampling) -> SamplingParams:
+    """`/generate`'s sampling_params, which use SamplingParams' own names."""
+    try:
+        return SamplingParams(
+            max_tokens=bounded_max_tokens(served, s.max_tokens, "max_tokens"),
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p,
+            seed=s.seed,
+            stop_token_ids=tuple(s.stop_token_ids),
+            stop=s.stop if s.stop is not None else (),
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
+        )
+    except ValueError as exc:
+        raise invalid_params(exc) from None
+
+
+def invalid_params(exc: ValueError) -> ApiError:
+    """A 400 for SamplingParams' refusal; its message begins with the field."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    return bad_request(message, param=first if first in _PARAM_NAMES else None)
+
+
+def bounded_max_tokens(served: ServedModel, max_tokens: int, param: str) -> int:
+    if max_tokens > served.max_model_len:
+        raise bad_request(
+            f"{param} is {max_tokens}, more than this model's context of "
+            f"{served.max_model_len} tokens",
+            param=param,
+        )
+    return max_tokens

@@ -1,0 +1,130 @@
+"""The async client against a real server (the same harness as the HTTP
+tests: a loopback port over a single-rank conductor on the built-in model)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from ringserve.client import ApiError, AsyncClient, ChatCompletion, Completion, Generation
+from tests.test_http import GREEDY, MESSAGES, MODEL, PROMPT, Server, serving
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[Server, AsyncClient]]:
+    async with serving() as server, AsyncClient(server.url, timeout_s=30) as client:
+        yield server, client
+
+
+@pytest.mark.timeout(30)
+async def test_complete_returns_a_typed_completion(served: tuple[Server, AsyncClient]) -> None:
+    server, client = served
+    done = await client.complete(PROMPT, max_tokens=5, **GREEDY)
+    assert isinstance(done, Completion)
+    assert done.finish_reason == "length" and len(done.token_ids) == 5
+    assert done.text == server.conductor.tokenizer.decode(done.token_ids)
+    assert done.usage.completion_tokens == 5
+    assert done.usage.prompt_tokens == len(server.conductor.tokenizer.encode(PROMPT))
+    by_ids = await client.complete(
+        server.conductor.tokenizer.encode(PROMPT), max_tokens=5, **GREEDY
+    )
+    assert by_ids.token_ids == done.token_ids
+
+
+@pytest.mark.timeout(30)
+async def test_chat_returns_a_typed_chat_completion(served: tuple[Server, AsyncClient]) -> None:
+    _, client = served
+    done = await client.chat(MESSAGES, max_tokens=4, **GREEDY)
+    assert isinstance(done, ChatCompletion)
+    assert done.choices[0].message.role == "assistant"
+    assert done.text == done.choices[0].message.content and done.text
+    assert done.finish_reason == "length" and done.usage.completion_tokens == 4
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_stream_yields_the_deltas_of_the_whole_text(
+    served: tuple[Server, AsyncClient], chat: bool
+) -> None:
+    _, client = served
+    prompt = MESSAGES if chat else PROMPT
+    whole = await (client.chat if chat else client.complete)(prompt, max_tokens=16, **GREEDY)
+    pieces = [t async for t in client.stream(prompt, max_tokens=16, **GREEDY)]
+    assert len(pieces) > 1
+    assert "".join(pieces) == whole.text
+
+
+@pytest.mark.timeout(30)
+async def test_generate_returns_ids_and_text(served: tuple[Server, AsyncClient]) -> None:
+    server, client = served
+    ids = server.conductor.tokenizer.encode(PROMPT)
+    out = await client.generate(ids, max_tokens=4, **GREEDY)
+    assert isinstance(out, Generation)
+    assert len(out.output_ids) == 4 and out.finish_reason == "length"
+    assert out.prompt_tokens == len(ids)
+    assert out.text == server.conductor.tokenizer.decode(out.output_ids)
+
+
+@pytest.mark.timeout(30)
+async def test_health_and_models(served: tuple[Server, AsyncClient]) -> None:
+    server, client = served
+    assert await client.models() == [MODEL]
+    health = await client.health()
+    assert health.ok and health.reason is None
+    server.conductor.fail("rank 1 is gone: link closed")
+    health = await client.health()
+    assert not health.ok and health.reason == "rank 1 is gone: link closed"
+
+
+@pytest.mark.timeout(30)
+async def test_refusals_raise_api_error_with_the_servers_message(
+    served: tuple[Server, AsyncClient],
+) -> None:
+    _, client = served
+    with pytest.raises(ApiError) as bad:
+        await client.complete(PROMPT, max_tokens=10**6)
+    assert bad.value.status == 400 and bad.value.param == "max_tokens"
+    assert "512" in bad.value.message
+    with pytest.raises(ApiError) as unknown:
+        await client.complete(PROMPT, model="gpt-9")
+    assert unknown.value.status == 404 and unknown.value.code == "model_not_found"
+    with pytest.raises(ApiError) as streamed:
+        async for _ in client.stream(PROMPT, top_p=0):
+            pass
+    assert streamed.value.status == 400 and "top_p" in streamed.value.message
+
+
+@pytest.mark.timeout(30)
+async def test_api_key_is_sent_as_a_bearer_token() -> None:
+    async with serving(api_key="s3cret") as server:
+        async with AsyncClient(server.url, api_key="wrong") as wrong:
+            with pytest.raises(ApiError) as refused:
+                await wrong.complete(PROMPT, max_tokens=2)
+            assert refused.value.status == 401
+            assert (await wrong.health()).ok  # health needs no key
+        async with AsyncClient(server.url, api_key="s3cret", model=MODEL) as right:
+            assert (await right.complete(PROMPT, max_tokens=2)).usage.completion_tokens == 2
+
+
+@pytest.mark.timeout(30)
+async def test_error_mid_stream_raises_api_error(served: tuple[Server, AsyncClient]) -> None:
+    server, client = served
+    with pytest.raises(ApiError) as failed:
+        async for _ in client.stream(PROMPT, max_tokens=480, **GREEDY):
+            server.conductor.fail("rank 2 is gone: link closed")
+    assert failed.value.status == 500 and "rank 2 is gone" in failed.value.message
+
+
+@pytest.mark.timeout(30)
+async def test_leaving_a_stream_early_aborts_the_request(
+    served: tuple[Server, AsyncClient],
+) -> None:
+    server, client = served
+    async with contextlib.aclosing(client.stream(PROMPT, max_tokens=480, **GREEDY)) as pieces:
+        async for _ in pieces:
+            [handle] = server.conductor.handles.values()
+            break
+    await server.assert_no_kv_held()
+    assert handle.req.finish_reason == "abort" and len(handle.req.output) < 480

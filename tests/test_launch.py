@@ -1,0 +1,151 @@
+"""`ringserve launch` end to end: real rank processes, the real HTTP server,
+the official `openai` client and ringserve's own async client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from ringserve.client import AsyncClient
+from tests.launched import Launched, free_port, pid_alive
+
+pytestmark = pytest.mark.timeout(300)
+COMMON = ("--wedge-timeout-s", "5", "--kv-capacity-tokens", "8192", "--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=["pp1", "pp3"])
+def server(request):
+    launched = Launched("--pp", str(request.param), *COMMON)
+    yield launched
+    gone = launched.stop(signal.SIGTERM)
+    assert gone < 10, f"ranks took {gone:.1f} s to go after SIGTERM"
+    assert launched.proc.returncode == 0, launched.output()
+
+
+def model_id(server: Launched) -> str:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    return client.models.list().data[0].id
+
+
+def test_openai_completions_stream_equals_plain(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    model = model_id(server)
+    plain = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    chunks = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert plain.choices[0].finish_reason == "length"
+    assert plain.usage.completion_tokens == 12
+    assert streamed == plain.choices[0].text and streamed
+
+
+def test_openai_chat_stream_equals_plain(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    model = model_id(server)
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == plain.choices[0].message.content
+    assert plain.choices[0].message.role == "assistant"
+
+
+async def test_async_client_and_concurrent_streams_hit_the_prefix_cache(server):
+    system = "You are a careful assistant who answers in short sentences. " * 4
+    async with AsyncClient(server.url) as client:
+        assert (await client.health()).status == "ok"
+        one = await client.complete(system + "Hello", max_tokens=6, temperature=0)
+        assert one.finish_reason == "length" and len(one.token_ids) == 6
+
+        async def stream(i: int) -> str:
+            return "".join([d async for d in client.stream(system + f"Question {i}?", max_tokens=8, temperature=0)])
+
+        first = await asyncio.gather(*(stream(i) for i in range(64)))
+        again = await asyncio.gather(*(stream(i) for i in range(64)))
+    assert first == again and all(isinstance(t, str) for t in first)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(server.url + "/metrics") as resp:
+            metrics = await resp.text()
+    hits = next(line for line in metrics.splitlines() if line.startswith("ringserve_cache_hit_tokens_total"))
+    assert float(hits.split()[-1]) > 64 * 20, hits
+
+
+async def test_bad_input_is_refused_and_the_server_carries_on(server):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + "/v1/completions", data=b"{not json") as resp:
+            assert resp.status == 400
+            assert "error" in await resp.json()
+        body = {"model": "nope", "prompt": "x", "max_tokens": 2}
+        async with session.post(server.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 404
+        body = {"prompt": "x", "max_tokens": -3}
+        async with session.post(server.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 400
+            assert "max_tokens" in (await resp.json())["error"]["message"]
+        async with session.get(server.url + "/health") as resp:
+            assert resp.status == 200
+    async with AsyncClient(server.url) as client:
+        assert (await client.complete("still fine", max_tokens=3, temperature=0)).text is not None
+
+
+def test_killed_rank_turns_health_red_and_ends_the_group():
+    launched = Launched("--pp", "3", *COMMON)
+    try:
+        victim = launched.ranks[2]
+        os.kill(victim, signal.SIGKILL)
+        began = time.monotonic()
+        while time.monotonic() - began < 5 + 5:
+            try:
+                status = _health_status(launched.url)
+            except OSError:
+                break
+            if status != 200:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("/health stayed 200 after rank 2 was killed")
+        launched.proc.wait(20)
+        assert launched.proc.returncode != 0
+        assert "rank 2 exited" in launched.output() and "SIGKILL" in launched.output()
+    finally:
+        launched.stop()
+    assert not any(pid_alive(p) for p in launched.ranks.values())
+
+
+def _health_status(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("stop_node", [0, 1])
+def test_two_launchers_act_as_two_nodes(stop_node):
+    master = str(free_port())
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", master, *COMMON)
+    first = Launched(*nodes, "--node-rank", "0", expect_ready=False)
+    second = Launched(*nodes, "--node-rank", "1", expect_ready=False)
+    try:
+        first.wait_for("ready at", 180)
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="none")
+        out = client.completions.create(model=model_id(first), prompt="Two nodes", max_tokens=5, temperature=0)
+        assert out.usage.completion_tokens == 5
+        stopped, other = (first, second) if stop_node == 0 else (second, first)
+        stopped.stop(signal.SIGTERM)
+        other.proc.wait(30)
+    finally:
+        first.stop()
+        second.stop()
