@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint serve bench clean
+.PHONY: test lint serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/ruff check ringserve tests bench
 	$(BIN)/python -m pytest -n 2 -q
+
+serve: $(STAMP)
+	$(BIN)/ringserve launch --port 8000
 
 lint: $(STAMP)
 	$(BIN)/ruff check ringserve tests bench

@@ -68,6 +68,7 @@ class EngineConfig:
     heartbeat_s: float = 1.0
     layer_split: tuple[int, ...] | None = field(default=None)
     torch_threads: int | None = None
+    passes_in_flight: int | None = None  # micro-batch slots S; default: the number of ranks
     plan: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -116,7 +117,8 @@ class RankZero:
     new_request: RequestFactory
 
 
-def build_rank_zero(config: EngineConfig, cfg: ModelConfig, passes_in_flight: int) -> RankZero:
+def build_rank_zero(config: EngineConfig, cfg: ModelConfig, world: int) -> RankZero:
+    passes_in_flight = config.passes_in_flight or world
     allocator = SlotAllocator(config.kv_capacity_tokens)
     scheduler = Scheduler(
         config.scheduler_config(cfg, passes_in_flight), allocator, RadixCache(allocator)

@@ -23,7 +23,7 @@ class Engine:
         self.config = config
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         self.stage = build_stage(config, cfg, range(cfg.num_layers), rank=0)
-        zero = build_rank_zero(config, cfg, passes_in_flight=1)
+        zero = build_rank_zero(config, cfg, world=1)
         self.scheduler, self.tokenizer, self.new_request = (
             zero.scheduler,
             zero.tokenizer,

@@ -136,7 +136,7 @@ class LocalRing:
         self._stop = asyncio.Event()
         init_group(0, spec.world, spec.master_addr, spec.master_port)
         stage = build_stage(config, cfg, layer_range(list(config.layer_split), 0), 0)
-        zero = build_rank_zero(config, cfg, passes_in_flight=spec.world)
+        zero = build_rank_zero(config, cfg, world=spec.world)
         ends = open_links(spec)
         await announce_ready(ends, timeout_s=300.0)
         conductor = Conductor(

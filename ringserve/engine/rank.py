@@ -17,7 +17,6 @@ from pathlib import Path
 
 import msgspec
 import structlog
-import torch
 
 from ringserve import logs
 from ringserve.engine.boot import EngineConfig, build_stage, layer_range
@@ -146,7 +145,6 @@ def parse_args(argv: list[str] | None) -> tuple[RankSpec, EngineConfig, argparse
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--config", required=True, help="EngineConfig as JSON")
     p.add_argument("--log-dir", default=None)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--http", default=None, help="rank 0: HttpOptions as JSON")
     p.add_argument("--ready-file", default=None, help="rank 0: written once serving")
     args = p.parse_args(argv)
@@ -158,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     spec, config, args = parse_args(argv)
     die_with_parent()
     logs.configure(spec.rank, args.log_dir, console_level="warning")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if spec.rank == 0 and args.http is None:
         raise SystemExit("rank 0 runs inside `LLM` or `ringserve launch`, not here")
     if spec.world > 1:

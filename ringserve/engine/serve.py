@@ -34,7 +34,7 @@ def build_local_conductor(config: EngineConfig) -> Conductor:
     on the loop that will run it."""
     cfg = ModelConfig.from_dir(config.model_dir)
     stage = build_stage(config, cfg, range(cfg.num_layers), rank=0)
-    zero = build_rank_zero(config, cfg, passes_in_flight=1)
+    zero = build_rank_zero(config, cfg, world=1)
     return Conductor(
         zero.scheduler,
         stage,
@@ -50,7 +50,7 @@ async def build_ring_conductor(config: EngineConfig, spec, ends) -> Conductor:
     """Rank 0 of a ring whose links are open (`engine/rank.open_links`)."""
     cfg = ModelConfig.from_dir(config.model_dir)
     stage = build_stage(config, cfg, layer_range(list(config.layer_split or ()), 0), rank=0)
-    zero = build_rank_zero(config, cfg, passes_in_flight=spec.world)
+    zero = build_rank_zero(config, cfg, world=spec.world)
     return Conductor(
         zero.scheduler,
         stage,
