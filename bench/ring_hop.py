@@ -1,19 +1,18 @@
 """Cost of one ring hop through the links against raw gloo send/recv.
 
-    .venv/bin/python bench/ring_hop.py [--iters 200] [--rounds 5]
+    .venv/bin/python bench/ring_hop.py [--iters 1000]
 
 Starts two local ranks. Rank 0 sends a `Hidden` with one float32 tensor to
 rank 1, which sends it back; a hop is half that round trip. The same tensor
 also goes back and forth with bare `ProcessGroup.send/recv(...).wait()` on
-another tag. Raw and link blocks alternate within one run so both see the
-same machine load; the table gives median hop times and their ratio (goal
-for 4 MiB: link <= 1.2x raw).
+another tag. Raw and link round trips alternate one by one within one run,
+so both see the same machine load; the table gives median hop times and
+their ratio (goal for 4 MiB: link <= 1.2x raw).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import socket
 import statistics
@@ -24,6 +23,7 @@ import time
 import torch
 import uvloop
 
+from ringserve import logs
 from ringserve.ring.group import close_group, init_group
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.link import RecvLink, SendLink
@@ -33,37 +33,30 @@ LINK_TAG, RAW_TAG = 1, 2
 SIZES = {"4 KiB": 4 << 10, "4 MiB": 4 << 20}
 
 
-def raw_round_trips(group, rank: int, t: torch.Tensor, iters: int) -> list[float]:
-    peer, hops = 1 - rank, []
-    for _ in range(iters):
-        start = time.perf_counter()
-        if rank == 0:
-            group.send([t], peer, RAW_TAG).wait()
-            group.recv([t], peer, RAW_TAG).wait()
-        else:
-            group.recv([t], peer, RAW_TAG).wait()
-            group.send([t], peer, RAW_TAG).wait()
-        hops.append((time.perf_counter() - start) / 2)
-    return hops
+def raw_hop(group, rank: int, t: torch.Tensor) -> float:
+    peer, start = 1 - rank, time.perf_counter()
+    if rank == 0:
+        group.send([t], peer, RAW_TAG).wait()
+        group.recv([t], peer, RAW_TAG).wait()
+    else:
+        group.recv([t], peer, RAW_TAG).wait()
+        group.send([t], peer, RAW_TAG).wait()
+    return (time.perf_counter() - start) / 2
 
 
-async def link_round_trips(
-    send: SendLink, inbox: Inbox, rank: int, t: torch.Tensor, iters: int
-) -> list[float]:
-    hops = []
-    for i in range(iters):
-        start = time.perf_counter()
-        if rank == 0:
-            await send.send(Hidden(i), (t,))
-            await inbox.get(Hidden)
-        else:
-            msg, tensors = await inbox.get(Hidden)
-            await send.send(msg, tensors)
-        hops.append((time.perf_counter() - start) / 2)
-    return hops
+async def link_hop(send: SendLink, inbox: Inbox, rank: int, t: torch.Tensor, i: int) -> float:
+    start = time.perf_counter()
+    if rank == 0:
+        await send.send(Hidden(i), (t,))
+        await inbox.get(Hidden)
+    else:
+        msg, tensors = await inbox.get(Hidden)
+        await send.send(msg, tensors)
+    return (time.perf_counter() - start) / 2
 
 
 async def rank_main(args: argparse.Namespace) -> None:
+    logs.configure(args.rank, console_level="warning")  # no per-message events
     group = init_group(args.rank, 2, "127.0.0.1", args.port)
     inbox = Inbox()
     send = SendLink(1 - args.rank, LINK_TAG, 4, inbox=inbox)
@@ -72,9 +65,9 @@ async def rank_main(args: argparse.Namespace) -> None:
     for name, nbytes in SIZES.items():
         t = torch.randn(nbytes // 4)
         raw, link = [], []
-        for _ in range(args.iters):
-            raw += raw_round_trips(group, args.rank, t, 1)
-            link += await link_round_trips(send, inbox, args.rank, t, 1)
+        for i in range(args.iters):
+            raw.append(raw_hop(group, args.rank, t))
+            link.append(await link_hop(send, inbox, args.rank, t, i))
         results[name] = {"raw": statistics.median(raw), "link": statistics.median(link)}
     await send.close()
     await recv.close()
@@ -96,10 +89,9 @@ def launch(args: argparse.Namespace) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, __file__, "--port", str(port), "--iters", str(args.iters)]
-    argv += ["--rounds", str(args.rounds)]
+    outs = (subprocess.PIPE, subprocess.DEVNULL)  # only rank 0 reports
     procs = [
-        subprocess.Popen([*argv, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
-        for r in range(2)
+        subprocess.Popen([*argv, "--rank", str(r)], stdout=outs[r], text=True) for r in range(2)
     ]
     try:
         out = [p.communicate(timeout=600)[0] for p in procs]
@@ -109,22 +101,19 @@ def launch(args: argparse.Namespace) -> None:
                 p.kill()
     if any(p.returncode for p in procs):
         sys.exit(f"a rank failed: exit codes {[p.returncode for p in procs]}")
-    print_table(json.loads(out[0].strip().splitlines()[-1]), args.iters * args.rounds)
+    print_table(json.loads(out[0].strip().splitlines()[-1]), args.iters)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=200, help="round trips per block")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating raw/link blocks")
+    parser.add_argument("--iters", type=int, default=1000, help="round trips of each kind")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is None:
         launch(args)
     else:
-        import os, sys as _s
-        if os.environ.get("SWI"): _s.setswitchinterval(float(os.environ["SWI"]))
-        (asyncio.run if os.environ.get("ASYNCIO") else uvloop.run)(rank_main(args))
+        uvloop.run(rank_main(args))
 
 
 if __name__ == "__main__":

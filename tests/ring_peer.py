@@ -77,9 +77,9 @@ class Peer:
         self.recv = RecvLink(self.prev, TAG, self.inbox)
 
     async def close(self) -> None:
-        await self.send.close(timeout_s=2.0)
+        await self.send.close(timeout_s=1.0)
         if self.recv is not None:
-            await self.recv.close(timeout_s=2.0)
+            await self.recv.close(timeout_s=1.0)
 
 
 async def fifo(peer: Peer) -> None:
@@ -168,21 +168,23 @@ async def backpressure(peer: Peer) -> None:
 
 
 async def kill(peer: Peer) -> None:
-    """Rank 1 is SIGKILLed by the test; rank 0 must see LinkError, not hang."""
+    """Rank 1 is SIGKILLed by the test while rank 0 waits for an Output from it
+    and has a send posted that rank 1 never receives (it opens no reader):
+    both must end in LinkError, not hang."""
     if peer.rank == 1:
         report("peer.ready")
         await asyncio.sleep(3600)
-    report("peer.waiting", at=time.monotonic())
+    await peer.send.send(Hidden(0), (torch.zeros(1024),))
+    report("peer.waiting", at=time.monotonic(), in_flight=peer.send.in_flight)
     try:
         await watched(peer.inbox.get(Output), Owed(0, Output, 1), 30.0, peer.health)
     except LinkError as exc:
         report("peer.get_failed", at=time.monotonic(), peer=exc.peer, error=str(exc))
-    try:
-        for p in range(4):
-            await peer.send.send(Hidden(p), (torch.zeros(1024),))
-        await peer.send.flush()
-    except LinkError as exc:
-        report("peer.send_failed", peer=exc.peer, error=str(exc))
+    for name, attempt in (("flush", peer.send.flush), ("send", lambda: peer.send.send(Hidden(1)))):
+        try:
+            await attempt()
+        except LinkError as exc:
+            report("peer.send_failed", op=name, peer=exc.peer, error=str(exc))
     report("peer.result", health=peer.health.reason)
 
 
@@ -240,7 +242,7 @@ async def main(args: argparse.Namespace) -> None:
     inbox = Inbox()
     send = SendLink((args.rank + 1) % args.world, TAG, args.max_in_flight, inbox=inbox)
     peer = Peer(args.rank, args.world, inbox, Health(args.rank), send, None)
-    if args.scenario not in ("backpressure", "retention") or args.rank == 0:
+    if args.scenario not in ("backpressure", "retention", "kill") or args.rank == 0:
         peer.open_recv()
     await SCENARIOS[args.scenario](peer)
     await peer.close()

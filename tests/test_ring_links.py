@@ -139,7 +139,9 @@ def test_killed_peer_fails_pending_get_and_sends_with_link_error(ring) -> None:
     (failed,) = peers.records(0, "peer.get_failed")
     assert failed["peer"] == 1 and "rank 1" in failed["error"]
     assert failed["at"] - killed_at < 5.0
-    assert peers.records(0, "peer.send_failed")[0]["peer"] == 1
+    assert peers.records(0, "peer.waiting")[0]["in_flight"] == 1
+    send_failed = peers.records(0, "peer.send_failed")
+    assert [(f["op"], f["peer"]) for f in send_failed] == [("flush", 1), ("send", 1)]
     assert "rank 1" in peers.result(0)["health"]
 
 
@@ -180,6 +182,7 @@ def test_event_loop_keeps_ticking_while_a_large_receive_is_pending(ring) -> None
 # In process: the inbox and the watchdog, under both event loops.
 
 
+@pytest.mark.timeout(10)
 @RUNNERS
 def test_inbox_get_is_only_satisfied_by_its_own_kind(run) -> None:
     async def main() -> None:
@@ -199,6 +202,7 @@ def test_inbox_get_is_only_satisfied_by_its_own_kind(run) -> None:
     run(main())
 
 
+@pytest.mark.timeout(10)
 @RUNNERS
 def test_inbox_failure_wakes_waiters_but_delivers_what_arrived(run) -> None:
     async def main() -> None:
@@ -216,6 +220,7 @@ def test_inbox_failure_wakes_waiters_but_delivers_what_arrived(run) -> None:
     run(main())
 
 
+@pytest.mark.timeout(10)
 @RUNNERS
 def test_cancelled_get_does_not_swallow_a_message(run) -> None:
     async def main() -> None:
@@ -231,6 +236,7 @@ def test_cancelled_get_does_not_swallow_a_message(run) -> None:
     run(main())
 
 
+@pytest.mark.timeout(10)
 @RUNNERS
 def test_overdue_wait_is_suspected_once_then_cleared_on_arrival(run) -> None:
     async def main() -> None:
@@ -250,6 +256,7 @@ def test_overdue_wait_is_suspected_once_then_cleared_on_arrival(run) -> None:
     run(main())
 
 
+@pytest.mark.timeout(10)
 @RUNNERS
 def test_link_error_during_a_watched_wait_marks_health_dead(run) -> None:
     async def main() -> None:

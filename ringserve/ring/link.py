@@ -1,23 +1,26 @@
 """Links of the ring: one `SendLink` and one `RecvLink` per directed pair of
 neighbours, each on its own gloo tag, so messages on a link are FIFO.
 
-gloo facts this module is built around (torch 2.13):
+gloo facts behind it (torch 2.13): `Work.is_completed()` never turns true for
+send/recv without `wait()`, and `get_future()` is not implemented for them, so
+every wait runs in a per-link thread that reports to the event loop through
+`loop.call_soon_threadsafe`; nothing here blocks the loop. An `isend` whose
+handle is dropped before the peer posts its receive is lost, and wedges the
+pair of ranks behind it: a `SendLink` keeps every handle and buffer until its
+thread has observed completion. No gloo timeout is ever used as a poll (a
+timed-out wait poisons the process group); liveness is judged in asyncio by
+`ring/watchdog.py`.
 
-* `Work.is_completed()` never turns true for send/recv unless `wait()` is
-  called, and `get_future()` is not implemented for them: every wait runs in
-  a per-link thread that reports to the event loop through
-  `loop.call_soon_threadsafe`. Nothing here blocks the loop.
-* An `isend` whose Work handle is dropped before the peer posts its receive
-  is lost (and the link wedges behind it): a `SendLink` keeps every handle and
-  every buffer it reads until its thread has observed completion.
-* No gloo timeout is ever used as a poll (a timed-out wait poisons the whole
-  process group); liveness is judged in asyncio by `ring/watchdog.py`.
-
-Shutdown: a blocked gloo receive cannot be interrupted, so the sender ends a
-link with `Control(SHUTDOWN)` (`SendLink.close`); the reader delivers it and
-stops posting receives. A reader whose peer never says so (the peer died or
-never closed) is a daemon thread: neither `close_group()` nor interpreter exit
-waits for it, so a process never hangs at exit.
+Shutdown: a blocked gloo receive cannot be interrupted (not by
+`destroy_process_group`, nor `ProcessGroup.abort/shutdown`: measured), so the
+sender ends a link with `Control(SHUTDOWN)` (`SendLink.close`, whose frame is
+marked final); the reader delivers it and stops posting receives. A reader
+whose peer died has already stopped with a LinkError. A reader whose peer is
+alive but never closed is a daemon thread, so the process never hangs at exit;
+but if that peer exits while this interpreter is finalizing, the receive
+returns into a dying interpreter and CPython aborts (SIGABRT, "terminate called
+without an active exception"). So when `RecvLink.close()` returns False, end
+the process with `os._exit` once logs are flushed.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from ringserve import logs
 from ringserve.ring import codec
 from ringserve.ring.messages import Control, ControlKind, Message
 
@@ -41,6 +45,17 @@ if TYPE_CHECKING:
     from ringserve.ring.inbox import Inbox
 
 log = structlog.get_logger(__name__)
+
+
+def _log_message(event: str, msg: Message, nbytes: int, peer: int) -> None:
+    """`msg.sent` / `msg.received`: what `ringserve replay` pairs up per link."""
+    fields: dict[str, Any] = {"kind": msg.__struct_config__.tag, "bytes": nbytes, "peer": peer}
+    pass_id = getattr(msg, "pass_id", None)
+    if pass_id is not None:
+        fields["pass_id"] = pass_id
+    if isinstance(msg, Control):
+        fields.update(control=str(msg.kind), seq=msg.seq)
+    log.debug(event, **fields)
 
 
 class LinkError(Exception):
@@ -77,7 +92,9 @@ class SendLink:
     referenced by this link until the sender thread has observed it complete
     (or fail); at most `max_in_flight` messages are posted and not yet observed
     complete; once the link has failed every `send` and every waiter raises
-    the same `LinkError`. Construct and use it on the event loop thread."""
+    the same `LinkError`, which is also handed to `inbox.fail` when an inbox
+    is given, so waits for replies that can no longer come wake up. Construct
+    and use it on the event loop thread."""
 
     def __init__(
         self,
@@ -93,6 +110,7 @@ class SendLink:
         self.peer, self.tag, self.max_in_flight = peer, tag, max_in_flight
         self._group = group if group is not None else dist.group.WORLD
         self._inbox = inbox
+        self._trace = logs.tracing()
         self._loop = asyncio.get_running_loop()
         self._in_flight = 0
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
@@ -137,6 +155,8 @@ class SendLink:
         finally:
             self._retain(_Pending(works, buffers))
         self._raise_if_failed()
+        if self._trace:
+            _log_message("msg.sent", msg, sum(b.nbytes for b in buffers), self.peer)
 
     async def flush(self) -> None:
         """Wait until every posted message is observed complete; raises
@@ -243,13 +263,14 @@ class RecvLink:
         self.peer, self.tag = peer, tag
         self._group = group if group is not None else dist.group.WORLD
         self._inbox = inbox
+        self._trace = logs.tracing()
         self._loop = asyncio.get_running_loop()
         self._ended: asyncio.Future[None] = self._loop.create_future()
         # Receives posted and not yet observed. Kept even after the reader
         # stops: a pending receive's handle is never dropped either.
         self._posted: list[dist.Work] = []
         self._thread = threading.Thread(target=self._read, name=f"ring-recv-{peer}", daemon=True)
-        self._loop.call_soon(self._read)
+        self._thread.start()
 
     @property
     def ended(self) -> bool:
@@ -260,7 +281,7 @@ class RecvLink:
         """Wait up to `timeout_s` for the reader to stop, which it does once
         the peer's SHUTDOWN has arrived; returns whether it stopped. A reader
         still blocked in a gloo receive cannot be interrupted: it is logged
-        and left as a daemon thread, which process exit does not wait for."""
+        and left as a daemon thread (see the module docstring on exiting)."""
         try:
             await asyncio.wait_for(asyncio.shield(self._ended), timeout_s)
         except TimeoutError:
@@ -303,6 +324,9 @@ class RecvLink:
         if codec.is_final(msg) != announced.final:
             raise codec.FrameError(f"a {type(msg).__name__} frame has final={announced.final}")
         self._posted = self._posted[len(parts) :]
+        if self._trace:
+            nbytes = header.nbytes + announced.payload_len + sum(t.nbytes for t in tensors)
+            _log_message("msg.received", msg, nbytes, self.peer)
         return msg, tensors, following, announced.final
 
     def _post(self, buf: torch.Tensor) -> dist.Work:
