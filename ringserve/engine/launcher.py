@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from ringserve.engine.boot import EngineConfig, layer_range
+from ringserve.engine.local_ring import stop_processes
 from ringserve.engine.rank import EXIT_LINK_FAILED, RankSpec, child_command
 from ringserve.engine.serve import HttpOptions
 
@@ -109,18 +110,7 @@ class Launcher:
             self.stop()
 
     def stop(self, grace_s: float = 6.0) -> None:
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(2.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(self.procs.values()), grace_s)
 
 
 def _describe(code: int | None) -> str:

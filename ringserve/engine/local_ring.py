@@ -16,11 +16,8 @@ import structlog
 
 from ringserve.engine.boot import (
     EngineConfig,
-    build_rank_zero,
-    build_stage,
-    layer_range,
 )
-from ringserve.engine.conductor import Conductor, RingPorts
+from ringserve.engine.conductor import Conductor
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.params import RequestOutput, SamplingParams
 from ringserve.engine.rank import (
@@ -30,8 +27,7 @@ from ringserve.engine.rank import (
     child_command,
     open_links,
 )
-from ringserve.models.config import ModelConfig
-from ringserve.ring.faults import FaultPlan
+from ringserve.engine.serve import build_conductor
 from ringserve.ring.group import close_group, init_group
 
 log = structlog.get_logger(__name__)
@@ -61,19 +57,24 @@ class RankProcesses:
         return None
 
     def stop(self, grace_s: float = 5.0) -> None:
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            remaining = max(deadline - time.monotonic(), 0.1)
-            try:
-                proc.wait(remaining)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(2.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(self.procs.values()), grace_s)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Give processes `grace_s` to exit, then SIGTERM, then SIGKILL; returns
+    only once every one has exited."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class LocalRing:
@@ -91,7 +92,6 @@ class LocalRing:
         if config.layer_split is None:
             raise ValueError("a local ring needs its layer split (engine/sizing.size_ring)")
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model_dir)
         port = free_port()
         self.specs = [RankSpec(r, pp_size, "127.0.0.1", port) for r in range(pp_size)]
         self.children = RankProcesses(self.specs[1:], self.config, log_dir)
@@ -132,20 +132,12 @@ class LocalRing:
             self.loop.close()
 
     async def _main(self) -> None:
-        spec, config, cfg = self.specs[0], self.config, self.model_config
+        spec, config = self.specs[0], self.config
         self._stop = asyncio.Event()
         init_group(0, spec.world, spec.master_addr, spec.master_port)
-        stage = build_stage(config, cfg, layer_range(list(config.layer_split), 0), 0)
-        zero = build_rank_zero(config, cfg, world=spec.world)
         ends = open_links(spec)
+        conductor = build_conductor(config, spec.world, ends)
         await announce_ready(ends, timeout_s=300.0)
-        conductor = Conductor(
-            zero.scheduler, stage, zero.tokenizer, zero.new_request,
-            ring=RingPorts(ends.send, ends.inbox, spec.world - 1),
-            faults=FaultPlan.from_env(0),
-            wedge_timeout_s=config.wedge_timeout_s,
-            heartbeat_s=config.heartbeat_s,
-        )  # fmt: skip
         self._ready.set_result(conductor)
         running = asyncio.create_task(conductor.run())
         watching = asyncio.create_task(self._watch_children(conductor))

@@ -29,38 +29,30 @@ class HttpOptions:
     max_body_bytes: int = 4 << 20
 
 
+def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conductor:
+    """Rank 0's conductor: the whole model with no ring (`world` 1), or rank
+    0's slice of a ring whose links are open (`engine/rank.open_links`).
+    Build it on the loop that will run it."""
+    cfg = ModelConfig.from_dir(config.model_dir)
+    layers = range(cfg.num_layers) if world == 1 else layer_range(list(config.layer_split or ()), 0)
+    stage = build_stage(config, cfg, layers, rank=0)
+    zero = build_rank_zero(config, cfg, world=world)
+    ring = None if ends is None else RingPorts(ends.send, ends.inbox, world - 1)
+    return Conductor(
+        zero.scheduler,
+        stage,
+        zero.tokenizer,
+        zero.new_request,
+        ring=ring,
+        faults=FaultPlan.from_env(0),
+        wedge_timeout_s=config.wedge_timeout_s,
+        heartbeat_s=config.heartbeat_s,
+    )
+
+
 def build_local_conductor(config: EngineConfig) -> Conductor:
-    """A conductor that runs the whole model on this rank (no ring). Build it
-    on the loop that will run it."""
-    cfg = ModelConfig.from_dir(config.model_dir)
-    stage = build_stage(config, cfg, range(cfg.num_layers), rank=0)
-    zero = build_rank_zero(config, cfg, world=1)
-    return Conductor(
-        zero.scheduler,
-        stage,
-        zero.tokenizer,
-        zero.new_request,
-        faults=FaultPlan.from_env(0),
-        wedge_timeout_s=config.wedge_timeout_s,
-        heartbeat_s=config.heartbeat_s,
-    )
-
-
-async def build_ring_conductor(config: EngineConfig, spec, ends) -> Conductor:
-    """Rank 0 of a ring whose links are open (`engine/rank.open_links`)."""
-    cfg = ModelConfig.from_dir(config.model_dir)
-    stage = build_stage(config, cfg, layer_range(list(config.layer_split or ()), 0), rank=0)
-    zero = build_rank_zero(config, cfg, world=spec.world)
-    return Conductor(
-        zero.scheduler,
-        stage,
-        zero.tokenizer,
-        zero.new_request,
-        ring=RingPorts(ends.send, ends.inbox, spec.world - 1),
-        faults=FaultPlan.from_env(0),
-        wedge_timeout_s=config.wedge_timeout_s,
-        heartbeat_s=config.heartbeat_s,
-    )
+    """A conductor that runs the whole model on this rank (no ring)."""
+    return build_conductor(config)
 
 
 async def serve(
@@ -100,10 +92,10 @@ async def run_rank_zero(spec, config: EngineConfig, http: HttpOptions, ready_fil
     ends = None
     if spec.world > 1:
         ends = open_links(spec)
-        conductor = await build_ring_conductor(config, spec, ends)
+        conductor = build_conductor(config, spec.world, ends)
         await announce_ready(ends, timeout_s=600.0)
     else:
-        conductor = build_local_conductor(config)
+        conductor = build_conductor(config)
     app = create_app(conductor, http, plan=config.plan, model_dir=config.model_dir)
     ready = Path(ready_file) if ready_file else None
     reason = await serve(conductor, app, http, ready)
