@@ -6,11 +6,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ringserve import logs
 from ringserve.engine.boot import EngineConfig
 from ringserve.engine.core import Engine
-from ringserve.engine.params import RequestOutput, SamplingParams
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.local_ring import LocalRing
+from ringserve.engine.params import RequestOutput, SamplingParams
 from ringserve.engine.sizing import size_ring
 from ringserve.engine.textstream import TextStream
 from ringserve.models.builtin import builtin_model_dir
@@ -42,12 +43,19 @@ class LLM:
         self.pp_size = pp_size
         self._engine: Engine | None = None
         self._ring: LocalRing | None = None
-        if pp_size == 1:
-            self._engine = Engine(self.config)
-            self.tokenizer = self._engine.tokenizer
-        else:
-            self._ring = LocalRing(self.config, pp_size, log_dir=log_dir)
-            self.tokenizer = self._ring.conductor.tokenizer
+        # Rank 0 runs in this process: log it like the child ranks, into
+        # `log_dir/rank0.jsonl` when given, until close().
+        self._logs = logs.LogScope(0, log_dir, console_level="warning")
+        try:
+            if pp_size == 1:
+                self._engine = Engine(self.config)
+                self.tokenizer = self._engine.tokenizer
+            else:
+                self._ring = LocalRing(self.config, pp_size, log_dir=log_dir)
+                self.tokenizer = self._ring.conductor.tokenizer
+        except BaseException:
+            self._logs.close()
+            raise
 
     def generate(
         self,
@@ -102,6 +110,7 @@ class LLM:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+        self._logs.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -11,10 +11,9 @@ import pytest
 from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.census import check_census
 from ringserve.cache.radix import RadixCache
-from ringserve.engine.request import RequestFactory
 from ringserve.engine.params import SamplingParams
 from ringserve.engine.replica import Replica
-from ringserve.engine.request import Phase
+from ringserve.engine.request import Phase, RequestFactory
 from ringserve.engine.scheduler import Scheduler, SchedulerConfig
 from ringserve.ring.messages import Decision, Output, Void
 
@@ -232,4 +231,21 @@ def test_a_prompt_sharing_a_prefix_in_prefill_waits_for_its_kv(factory):
     entry = next(e for e in d1.entries if e.req_id == second.req_id)
     assert entry.reuse is not None and len(entry.reuse) == 40
     sched.on_output(oracle(d1))
+    run_all(sched)
+
+
+def test_requests_are_shared_between_micro_batch_slots(factory):
+    sched = make(passes_in_flight=2)
+    for i in range(8):
+        submit(sched, factory, [i, 50 + i, 60 + i], max_tokens=5)
+    d0, d1 = sched.schedule(), sched.schedule()
+    assert sched.schedule() is None  # one pass in flight per slot
+    assert {d0.mb_slot, d1.mb_slot} == {0, 1}
+    assert len(d0.entries) == len(d1.entries) == 4
+    assert not {e.req_id for e in d0.entries} & {e.req_id for e in d1.entries}
+    sched.on_output(oracle(d1))
+    d2 = sched.schedule()
+    assert d2.mb_slot == d1.mb_slot and {e.req_id for e in d2.entries} == {e.req_id for e in d1.entries}
+    sched.on_output(oracle(d0))
+    sched.on_output(oracle(d2))
     run_all(sched)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from ringserve import logs
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.metrics import Metrics
 from ringserve.engine.params import SamplingParams
@@ -80,6 +81,14 @@ class Conductor:
         self.failure: str | None = None
         self.last_heartbeat_rtt_s: float | None = None
         self.on_failure: Callable[[str], None] | None = None
+        self._trace = logs.tracing()  # asked once: digests per pass are not free
+        log.info(
+            "scheduler.config",
+            config=scheduler.config,
+            kv_capacity=scheduler.allocator.capacity,
+            eos_ids=sorted(new_request.eos_ids),
+            world=1 if ring is None else ring.last_rank + 1,
+        )
 
     # ---- the caller's side ---------------------------------------------------
 
@@ -89,6 +98,14 @@ class Conductor:
             raise RuntimeError(self.failure)
         req = self.new_request(prompt, params)
         self.scheduler.add(req)
+        if self._trace:  # what a re-run of the scheduler needs (ringserve replay)
+            log.debug(
+                "request.arrival",
+                req_id=req.req_id,
+                prompt=req.prompt,
+                params=params,
+                seed=req.spec.seed,
+            )
         handle = RequestHandle(req, TextStream(self.tokenizer, params.stop))
         self.handles[req.req_id] = handle
         self.metrics.requests_total += 1
@@ -115,6 +132,9 @@ class Conductor:
             await asyncio.gather(*self._tasks)
         except LinkError as exc:
             self.fail(f"rank {exc.peer} is gone: {exc.reason}")
+        except Exception as exc:  # a bug on rank 0 must not leave requests hanging
+            self.fail(f"rank 0 failed: {type(exc).__name__}: {exc}")
+            raise
         finally:
             for t in self._tasks:
                 t.cancel()
@@ -124,6 +144,8 @@ class Conductor:
         while True:
             decision = self.scheduler.schedule()
             if decision is None:
+                if self._trace:  # the call may have evicted or retracted: a re-run repeats it
+                    log.debug("decision.none", next_pass_id=self.scheduler.next_pass_id)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -131,20 +153,29 @@ class Conductor:
 
     async def _launch(self, loop: asyncio.AbstractEventLoop, decision: Decision) -> None:
         p = decision.pass_id
-        log.debug("decision.made", rank=0, pass_id=p, digest=decision.digest())
+        if self._trace:
+            log.debug(
+                "decision.made",
+                pass_id=p,
+                mb_slot=decision.mb_slot,
+                kv_epoch=decision.kv_epoch,
+                digest=decision.digest(),
+                decision=decision,
+            )
         rows = self.stage.apply(decision)
         if self.ring is not None:
             await self.ring.send.send(decision)
             self._launched.set()
         if self.faults.should_crash(p):
             log.error("fault.crash", rank=0, pass_id=p)
+            logs.flush()
             os._exit(17)
         try:
             if self.faults.should_void(p):
                 raise PassFailed("injected void")
-            result = await loop.run_in_executor(
-                self.executor, self.stage.compute, decision, rows, None
-            )
+            forward = loop.run_in_executor(self.executor, self.stage.compute, decision, rows, None)
+            # rank 0's own forward is owed work too: a hung one turns health red
+            result = await watched(forward, Owed(p, Output, 0), self.wedge_timeout_s, self.health)
         except PassFailed as exc:
             if self.ring is None:
                 self._on_terminal(Void(p, 0, str(exc)))
@@ -157,38 +188,48 @@ class Conductor:
             await self.ring.send.send(Hidden(p), [result])
 
     async def _terminals(self) -> None:
-        """Await the one terminal owed for the oldest pass in flight."""
+        """Apply the one terminal owed for each pass, in pass order. Outputs
+        and Voids wait in separate inbox queues, so a terminal of a later
+        pass than the oldest in flight is held back until its turn."""
         assert self.ring is not None
+        early: dict[int, Output | Void] = {}
         while True:
             if not self.scheduler.in_flight:
                 self._launched.clear()
                 await self._launched.wait()
                 continue
             oldest = min(self.scheduler.in_flight)
+            if oldest in early:
+                self._on_terminal(early.pop(oldest))
+                continue
             what = Owed(oldest, Output, self.ring.last_rank)
-            msg = await watched(self._next_terminal(), what, self.wedge_timeout_s, self.health)
-            if msg.pass_id != oldest:
-                raise LinkError(
-                    self.ring.last_rank, f"terminal of pass {msg.pass_id}, owed {oldest}"
-                )
-            self._on_terminal(msg)
+            for msg in await watched(self._next_terminals(), what, self.wedge_timeout_s, self.health):
+                if msg.pass_id not in self.scheduler.in_flight or msg.pass_id in early:
+                    raise LinkError(
+                        self.ring.last_rank, f"unexpected terminal of pass {msg.pass_id}, owed {oldest}"
+                    )
+                early[msg.pass_id] = msg
 
-    async def _next_terminal(self) -> Output | Void:
+    async def _next_terminals(self) -> list[Output | Void]:
+        """The next Output or Void (both, when they arrive in one tick)."""
         assert self.ring is not None
         inbox = self.ring.inbox
         gets = [asyncio.ensure_future(inbox.get(Output)), asyncio.ensure_future(inbox.get(Void))]
-        done, pending = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        first = gets[0] if gets[0] in done else gets[1]
-        if len(done) == 2:  # both arrived in one tick: keep the later one queued
-            other = gets[1] if first is gets[0] else gets[0]
-            inbox.put(*other.result())
-        return first.result()[0]
+        try:
+            done, _ = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in gets:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*gets, return_exceptions=True)
+        return [task.result()[0] for task in gets if task in done]
 
     def _on_terminal(self, msg: Output | Void) -> None:
         if isinstance(msg, Output):
+            if self._trace:
+                log.debug(
+                    "pass.output", pass_id=msg.pass_id, tokens=msg.tokens, fallbacks=msg.fallbacks
+                )
             touched = self.scheduler.on_output(msg)
             self.metrics.passes += 1
             self.metrics.sampling_fallbacks += msg.fallbacks

@@ -12,6 +12,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 import structlog
 import torch
 
+from ringserve import logs
 from ringserve.engine.replica import ReplicaMismatch, Row
 from ringserve.engine.stage import PassFailed, Stage
 from ringserve.ring.faults import FaultPlan
@@ -87,6 +88,7 @@ class Follower:
         p = decision.pass_id
         if self.faults.should_crash(p):
             log.error("fault.crash", rank=self.rank, pass_id=p)
+            logs.flush()
             os._exit(17)
         rows, void = self._apply(decision)
         if not self.last:

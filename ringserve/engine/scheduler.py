@@ -56,6 +56,7 @@ class _Draft:
     """A pass being assembled: its token budget and the requests in it."""
 
     budget: int
+    slot: int = 0
     entries: list[Entry] = field(default_factory=list)
     reqs: list[Request] = field(default_factory=list)
     admitted: list[NewRequest] = field(default_factory=list)
@@ -78,6 +79,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.in_flight: dict[int, _Pass] = {}
         self.next_pass_id = 0
+        self._next_slot = 0
         self.kv_epoch = 0
         self._to_drop: list[int] = []
         self.voids = 0
@@ -102,6 +104,10 @@ class Scheduler:
         log.info("request.admitted", req=req.req_id, prompt_tokens=n)
 
     def abort(self, req_id: int, reason: str = "abort") -> None:
+        log.info("request.abort", req_id=req_id, reason=reason)  # an input of the replay
+        self._abort(req_id, reason)
+
+    def _abort(self, req_id: int, reason: str) -> None:
         req = self.requests.get(req_id)
         if req is None or req.phase is Phase.FINISHED:
             return
@@ -120,17 +126,29 @@ class Scheduler:
     # ---- deciding a pass -----------------------------------------------------
 
     def schedule(self) -> Decision | None:
-        """Decide the next pass, or None when nothing can run now."""
+        """Decide the next pass, or None when nothing can run now. Each
+        running request belongs to one micro-batch slot; a slot has at most
+        one pass in flight, so up to S passes keep every stage busy."""
         if len(self.in_flight) >= self.config.passes_in_flight:
             return None
-        draft = _Draft(budget=self.config.max_tokens_per_pass)
-        self._extend_running(draft)
-        self._admit_waiting(draft)
-        if not draft.entries:
-            return None
+        busy = {p.decision.mb_slot for p in self.in_flight.values()}
+        slots = self.config.passes_in_flight
+        for k in range(slots):
+            slot = (self._next_slot + k) % slots
+            if slot in busy:
+                continue
+            draft = _Draft(budget=self.config.max_tokens_per_pass, slot=slot)
+            self._extend_running(draft)
+            self._admit_waiting(draft)
+            if draft.entries:
+                self._next_slot = (slot + 1) % slots
+                return self._seal(draft)
+        return None
+
+    def _seal(self, draft: _Draft) -> Decision:
         decision = Decision(
             pass_id=self.next_pass_id,
-            mb_slot=self.next_pass_id % self.config.passes_in_flight,
+            mb_slot=draft.slot,
             kv_epoch=self.kv_epoch,
             new_requests=draft.admitted,
             entries=draft.entries,
@@ -150,7 +168,7 @@ class Scheduler:
         for req in list(self.running):
             if not self._room(draft):
                 return
-            if req.in_flight or req.phase is not Phase.RUNNING:
+            if req.in_flight or req.phase is not Phase.RUNNING or req.mb_slot != draft.slot:
                 continue
             n = min(req.pending, self.config.chunk_size, draft.budget)
             slots = self._alloc(n, draft, asker=req)
@@ -158,7 +176,9 @@ class Scheduler:
                 self._add_entry(draft, req, slots, reuse=None)
 
     def _admit_waiting(self, draft: _Draft) -> None:
-        while self.waiting and self._room(draft):
+        share = -(-(len(self.running) + len(self.waiting)) // self.config.passes_in_flight)
+        members = sum(1 for r in self.running if r.mb_slot == draft.slot)
+        while self.waiting and self._room(draft) and members < share:
             req = self.waiting[0]
             reuse, node = self._match(req)
             if self._prefix_pending(req, len(reuse)):
@@ -172,6 +192,8 @@ class Scheduler:
                 log.info("request.parked", req=req.req_id, needs=n)
                 return
             self.waiting.popleft()
+            members += 1
+            req.mb_slot = draft.slot
             req.phase, req.node, req.row = Phase.RUNNING, node, list(reuse)
             req.cached_tokens = max(req.cached_tokens, len(reuse))
             self.running.append(req)
@@ -288,7 +310,7 @@ class Scheduler:
         request to its pre-pass state, requeue within the retry budget."""
         record = self.in_flight.pop(void.pass_id)
         self.voids += 1
-        log.warning("pass.void", pass_id=void.pass_id, rank=void.rank, reason=void.reason)
+        log.warning("pass.void", pass_id=void.pass_id, void_rank=void.rank, reason=void.reason)
         for entry, req in reversed(list(zip(record.decision.entries, record.reqs, strict=True))):
             req.in_flight = False
             del req.row[entry.start :]
@@ -302,7 +324,7 @@ class Scheduler:
                     req.abort_reason
                     or f"error: pass {void.pass_id} void on rank {void.rank}: {void.reason}"
                 )
-                self.abort(req.req_id, why)
+                self._abort(req.req_id, why)
         return record.reqs
 
     def _unadmit(self, req: Request) -> None:

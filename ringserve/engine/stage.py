@@ -9,6 +9,7 @@ import time
 import structlog
 import torch
 
+from ringserve import logs
 from ringserve.engine.replica import Replica, Row
 from ringserve.engine.runner import Runner
 from ringserve.ring.messages import Decision, Output
@@ -28,10 +29,13 @@ class Stage:
         self.rank = rank
         self.replica = Replica()
         self.kv_epoch = kv_epoch
+        self._trace = logs.tracing()  # asked once: a digest per pass is not free
 
     def apply(self, decision: Decision) -> list[Row]:
         rows = self.replica.apply(decision)
-        log.debug("decision.applied", rank=self.rank, pass_id=decision.pass_id)
+        if self._trace:
+            digest = decision.digest()
+            log.debug("decision.applied", rank=self.rank, pass_id=decision.pass_id, digest=digest)
         return rows
 
     def compute(

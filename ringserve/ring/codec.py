@@ -18,7 +18,8 @@ desynchronised stream fail loudly instead of decoding garbage.
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -35,15 +36,19 @@ _FIELDS_PER_TENSOR = 2 + MAX_DIMS
 HEADER_LEN = _FIXED_FIELDS + MAX_TENSORS * _FIELDS_PER_TENSOR
 
 # Code 0 marks an unused tensor field; codes are part of the wire format.
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.bfloat16: 2,
-    torch.float16: 3,
-    torch.int64: 4,
-    torch.int32: 5,
-    torch.uint8: 6,
-}
-_DTYPES_BY_CODE: dict[int, torch.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
+DTYPE_CODES: Mapping[torch.dtype, int] = types.MappingProxyType(
+    {
+        torch.float32: 1,
+        torch.bfloat16: 2,
+        torch.float16: 3,
+        torch.int64: 4,
+        torch.int32: 5,
+        torch.uint8: 6,
+    }
+)
+_DTYPES_BY_CODE: Mapping[int, torch.dtype] = types.MappingProxyType(
+    {code: dt for dt, code in DTYPE_CODES.items()}
+)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)

@@ -1,0 +1,111 @@
+"""Logging of a rank: JSON lines per rank with rank and monotonic time, the
+console gate, the level gate that spares per-pass work when nothing keeps
+debug events, and the offline LLM's scope that restores what it found."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import structlog
+
+from ringserve import logs
+from ringserve.engine.stage import Stage
+from ringserve.ring.messages import Decision, Entry, NewRequest, SamplingSpec
+
+log = structlog.get_logger("tests.logs")
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog():
+    saved = structlog.get_config()
+    yield
+    logs.flush()
+    structlog.configure(**saved)
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def decision(p: int) -> Decision:
+    entry = Entry(req_id=7, start=0, tokens=[5, 6], slots=[1, 2], sample=True, reuse=[])
+    return Decision(p, 0, 0, [NewRequest(7, SamplingSpec(seed=3))], [entry], [])
+
+
+def test_file_gets_every_level_with_rank_and_monotonic_time(tmp_path, capsys):
+    path = logs.configure(2, tmp_path, console_level="warning")
+    log.debug("probe.debug", pass_id=4)
+    log.warning("probe.warning", pass_id=5)
+    logs.flush()
+    events = [e for e in read(path) if e["event"].startswith("probe.")]
+    assert path.name == "rank2.jsonl"
+    assert [(e["event"], e["rank"], e["pass_id"], e["level"]) for e in events] == [
+        ("probe.debug", 2, 4, "debug"),
+        ("probe.warning", 2, 5, "warning"),
+    ]
+    assert events[0]["t"] <= events[1]["t"]
+    console = capsys.readouterr().err
+    assert "probe.warning" in console and "probe.debug" not in console
+
+
+def test_a_new_opening_marks_the_start_of_a_run(tmp_path):
+    path = logs.configure(0, tmp_path)
+    logs.configure(0, tmp_path)
+    logs.flush()
+    assert [e["event"] for e in read(path)].count("log.opened") == 2
+
+
+def test_tracing_is_off_without_a_file_at_a_quiet_console(tmp_path):
+    logs.configure(1, None, console_level="warning")
+    assert not logs.tracing()
+    logs.configure(1, tmp_path, console_level="warning")
+    assert logs.tracing()
+
+
+def test_stage_built_while_not_tracing_never_computes_a_digest(monkeypatch, tmp_path):
+    def refuse(self: Decision) -> str:
+        raise AssertionError("digest computed for a filtered event")
+
+    logs.configure(1, None, console_level="warning")
+    quiet = Stage(runner=None, rank=1)  # apply never touches the runner
+    monkeypatch.setattr(Decision, "digest", refuse)
+    quiet.apply(decision(0))
+    monkeypatch.undo()
+    path = logs.configure(1, tmp_path, console_level="warning")
+    traced = Stage(runner=None, rank=1)
+    traced.apply(decision(0))
+    logs.flush()
+    applied = [e for e in read(path) if e["event"] == "decision.applied"]
+    assert [(e["pass_id"], e["digest"]) for e in applied] == [(0, decision(0).digest())]
+
+
+def test_scope_restores_the_config_and_closes_its_file(tmp_path):
+    before = structlog.get_config()["processors"]
+    scope = logs.LogScope(0, tmp_path)
+    log.info("probe.inside")
+    scope.close()
+    log.info("probe.after")
+    scope.close()  # idempotent
+    assert structlog.get_config()["processors"] == before
+    events = [e["event"] for e in read(tmp_path / "rank0.jsonl")]
+    assert "probe.inside" in events and "probe.after" not in events
+
+
+def test_closing_an_older_scope_keeps_a_newer_one_in_place(tmp_path):
+    outer = logs.LogScope(0, tmp_path / "a")
+    inner = logs.LogScope(0, tmp_path / "b")
+    outer.close()
+    log.info("probe.inner")
+    inner.close()
+    assert "probe.inner" in [e["event"] for e in read(tmp_path / "b" / "rank0.jsonl")]
+
+
+def test_silenced_drops_events_and_restores(tmp_path):
+    path = logs.configure(0, tmp_path)
+    with logs.silenced():
+        log.info("probe.silenced")
+    log.info("probe.loud")
+    logs.flush()
+    events = [e["event"] for e in read(path)]
+    assert "probe.loud" in events and "probe.silenced" not in events

@@ -1,0 +1,277 @@
+"""`ringserve replay` over the logs of real rings (pp 3, real rank
+processes): a consistent run replays clean, scheduler re-run included; a
+wedged run is named with its wait-for chain; tampered logs are reported for
+what they are."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ringserve import LLM, SamplingParams
+from ringserve.client import AsyncClient
+from ringserve.replay import Wait, main, replay
+from tests.launched import Launched
+
+RING = dict(
+    pp_size=3,
+    layer_split=[2, 1, 1],
+    chunk_size=16,
+    max_tokens_per_pass=48,
+    max_batch=3,
+    # small enough that the relief ladder runs: evictions, retractions, parking
+    kv_capacity_tokens=128,
+)
+SHARED = list(range(40, 70))
+PROMPTS = [SHARED + [100 + i] * (i + 1) for i in range(4)] + [[7, 8, 9], list(range(200, 230))]
+PARAMS = [
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0.8, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=1.0, top_k=20, top_p=0.9, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=0.7, min_p=0.1),
+    SamplingParams(max_tokens=14, temperature=0, stop_token_ids=[5], ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+]
+TAMPERED_PASS = 5
+
+
+def close_and_check(llm: LLM) -> None:
+    procs = list(llm._ring.children.procs.values()) if llm._ring is not None else []
+    llm.close()
+    assert procs and all(p.poll() is not None for p in procs), "a rank process outlived its LLM"
+
+
+async def abort_one_midway(conductor) -> list[str | None]:
+    """Two requests; the first is aborted after three tokens (a client gone)."""
+    long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    handles = [conductor.submit(p, long) for p in PROMPTS[:2]]
+    while len(handles[0].req.output) < 3:
+        await asyncio.sleep(0.005)
+    conductor.abort(handles[0].req_id)
+    return [(await h.result()).finish_reason for h in handles]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> Path:
+    """A consistent pp 3 run with concurrent requests, prefix reuse,
+    evictions, retractions, parking and an abort."""
+    log_dir = tmp_path_factory.mktemp("clean")
+    llm = LLM(log_dir=str(log_dir), **RING)
+    try:
+        outs = llm.generate(PROMPTS, PARAMS)
+        assert all(o.finish_reason == "length" for o in outs)
+        ring = llm._ring
+        finished = asyncio.run_coroutine_threadsafe(abort_one_midway(ring.conductor), ring.loop)
+        assert finished.result(timeout=60) == ["abort", "length"]
+    finally:
+        close_and_check(llm)
+    return log_dir
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def rewrite(path: Path, change) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in change(events(path))))
+
+
+def is_msg(e: dict, event: str, kind: str, p: int) -> bool:
+    return e["event"] == event and e.get("kind") == kind and e.get("pass_id") == p
+
+
+@pytest.fixture
+def copied(clean_run, tmp_path) -> Path:
+    return Path(shutil.copytree(clean_run, tmp_path / "run"))
+
+
+@pytest.mark.timeout(120)
+def test_a_clean_run_replays_consistent_with_the_scheduler_rerun(clean_run):
+    report = replay(clean_run)
+    assert report.consistent, report.render()
+    assert report.world == 3 and report.wedge is None
+    assert report.requests == len(PROMPTS) + 2
+    assert report.rerun.reproduced and report.rerun.decisions == report.passes
+    assert report.rerun.aborts >= 1 and report.rerun.empty_schedules > 0
+    rank0 = [e["event"] for e in events(clean_run / "rank0.jsonl")]
+    assert {"request.retracted", "request.parked", "request.abort"} <= set(rank0)
+    assert any(
+        e["event"] == "cache.evict" and e["freed"] > 0 for e in events(clean_run / "rank0.jsonl")
+    )
+
+
+@pytest.mark.timeout(60)
+def test_the_command_exits_0_and_prints_json_for_a_clean_run(clean_run):
+    cmd = [sys.executable, "-m", "ringserve", "replay", str(clean_run), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["consistent"] is True and doc["findings"] == []
+    assert doc["rerun"]["reproduced"] is True
+
+
+@pytest.mark.timeout(180)
+def test_a_launched_server_logs_every_rank_and_replays_consistent(tmp_path):
+    """Rank 0 as the serving process (`ringserve launch --log-dir`)."""
+    args = ("--pp", "3", "--log-dir", str(tmp_path), "--max-batch", "2", "--chunk-size", "16")
+    with Launched(*args, "--kv-capacity-tokens", "512", "--max-model-len", "512") as server:
+        asyncio.run(_complete_concurrently(server.url))
+    assert server.proc.returncode == 0, server.output()
+    report = replay(tmp_path)
+    assert report.consistent, report.render()
+    assert report.requests == 4 and report.rerun.reproduced
+
+
+async def _complete_concurrently(url: str) -> None:
+    async with AsyncClient(url) as client:
+        done = await asyncio.gather(
+            *(
+                client.complete(
+                    f"Question {i}?", max_tokens=6 + i, temperature=0.5, ignore_eos=True
+                )
+                for i in range(4)
+            )
+        )
+    assert [len(c.token_ids) for c in done] == [6, 7, 8, 9]
+
+
+@pytest.mark.timeout(120)
+def test_a_wedged_run_is_named_with_its_wait_for_chain(tmp_path, monkeypatch, capsys):
+    # Voided passes (7, 15) before the drop: their terminals are re-run too.
+    monkeypatch.setenv("RINGSERVE_FAULTS", "void:rank=1:every=8,drop:rank=1:kind=hidden:pass=20")
+    llm = LLM(log_dir=str(tmp_path), wedge_timeout_s=2.0, **RING)
+    try:
+        ring = llm._ring
+        conductor = ring.conductor
+        # One request: one pass in flight at a time, so the drop wedges the ring.
+        one = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        asyncio.run_coroutine_threadsafe(_submit(conductor, [5, 9, 17], one), ring.loop).result(10)
+        launched = _wait_until(lambda: conductor.scheduler.next_pass_id > 20, 30)
+        turned = _wait_until(lambda: not conductor.health.healthy, 10)
+        assert turned - launched <= 2.0 + 1.5, "health stayed green past the wedge timeout"
+        assert "pass 20" in conductor.health.reason
+    finally:
+        close_and_check(llm)
+    code = main(argparse.Namespace(log_dir=str(tmp_path), json=False))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "pass 20 has no terminal" in out
+    assert "rank 0 waits output of pass 20 from rank 2" in out
+    assert "rank 2 waits hidden of pass 20 from rank 1" in out
+    assert "rank 1 received decision and hidden of pass 20" in out and "fault.drop" in out
+    report = replay(tmp_path)
+    assert report.wedge.waits == [Wait(0, "output", 20, 2), Wait(2, "hidden", 20, 1)]
+    assert report.last_completed == {0: 19, 1: 19, 2: 19}
+    assert report.kinds() == {"terminal.missing"} and report.rerun.reproduced
+    voids = [e for e in events(tmp_path / "rank0.jsonl") if e["event"] == "pass.void"]
+    assert [e["pass_id"] for e in voids] == [7, 15]
+
+
+async def _submit(conductor, prompt, params) -> None:
+    conductor.submit(prompt, params)
+
+
+def _wait_until(condition, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+def test_a_digest_changed_on_one_rank_is_a_digest_mismatch(copied):
+    def change(evs):
+        for e in evs:
+            if e["event"] == "decision.applied" and e["pass_id"] == TAMPERED_PASS:
+                e["digest"] = "0" * 16
+        return evs
+
+    rewrite(copied / "rank1.jsonl", change)
+    report = replay(copied)
+    assert report.kinds() == {"decision.digest_mismatch"}
+    [finding] = report.findings
+    assert (finding.rank, finding.pass_id) == (1, TAMPERED_PASS)
+
+
+def test_a_missing_receive_is_an_unmatched_send(copied):
+    drop = lambda evs: [e for e in evs if not is_msg(e, "msg.received", "hidden", TAMPERED_PASS)]  # noqa: E731
+    rewrite(copied / "rank2.jsonl", drop)
+    report = replay(copied)
+    assert report.kinds() == {"message.unmatched_send"}
+    [finding] = report.findings
+    assert (finding.rank, finding.pass_id) == (1, TAMPERED_PASS)
+    assert "hidden of pass 5 to rank 2" in finding.message
+
+
+def test_a_pass_with_two_terminals_is_reported_as_such(copied):
+    def twice(event: str):
+        def change(evs):
+            at = next(i for i, e in enumerate(evs) if is_msg(e, event, "output", TAMPERED_PASS))
+            return evs[: at + 1] + [dict(evs[at])] + evs[at + 1 :]
+
+        return change
+
+    rewrite(copied / "rank2.jsonl", twice("msg.sent"))
+    rewrite(copied / "rank0.jsonl", twice("msg.received"))
+    report = replay(copied)
+    assert report.kinds() == {"terminal.extra"}
+    assert report.findings[0].pass_id == TAMPERED_PASS
+    assert "2 terminals" in report.render()
+
+
+def test_a_recorded_decision_that_does_not_match_its_digest_is_reported(copied):
+    def change(evs):
+        made = next(e for e in evs if is_msg(e, "decision.made", None, TAMPERED_PASS))
+        made["decision"]["entries"][0]["slots"][0] += 1
+        return evs
+
+    rewrite(copied / "rank0.jsonl", change)
+    report = replay(copied)
+    assert report.kinds() == {"decision.content_mismatch"}
+    assert report.findings[0].pass_id == TAMPERED_PASS
+
+
+def test_passes_applied_out_of_order_are_reported(copied):
+    def swap(evs):
+        at = [i for i, e in enumerate(evs) if e["event"] == "decision.applied"][3:5]
+        evs[at[0]], evs[at[1]] = evs[at[1]], evs[at[0]]
+        return evs
+
+    rewrite(copied / "rank2.jsonl", swap)
+    report = replay(copied)
+    assert report.kinds() == {"decision.out_of_order"}
+
+
+def test_the_scheduler_rerun_detects_a_changed_arrival(copied):
+    def change(evs):
+        arrival = next(e for e in evs if e["event"] == "request.arrival")
+        arrival["prompt"] = [t + 1 for t in arrival["prompt"]]
+        return evs
+
+    rewrite(copied / "rank0.jsonl", change)
+    report = replay(copied)
+    assert report.kinds() == {"rerun.differs"}
+    assert not report.rerun.reproduced
+    [finding] = report.findings
+    assert finding.pass_id == 0 and "first difference at decision." in finding.message
+
+
+def test_a_reused_log_dir_is_read_as_its_last_run(copied):
+    for path in copied.glob("rank*.jsonl"):
+        path.write_text(path.read_text() * 2)  # the same run logged twice into one dir
+    report = replay(copied)
+    assert report.consistent, report.render()
+    assert any("holds 2 runs" in note for note in report.notes)
+
+
+def test_a_dir_without_logs_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no rank"):
+        replay(tmp_path)
