@@ -8,12 +8,9 @@ from typing import Any
 
 from ringserve import logs
 from ringserve.engine.boot import EngineConfig
-from ringserve.engine.core import Engine
-from ringserve.engine.handle import RequestHandle
 from ringserve.engine.local_ring import LocalRing
 from ringserve.engine.params import RequestOutput, SamplingParams
 from ringserve.engine.sizing import size_ring
-from ringserve.engine.textstream import TextStream
 from ringserve.models.builtin import builtin_model_dir
 
 Prompt = str | Sequence[int]
@@ -41,18 +38,13 @@ class LLM:
         config = EngineConfig(model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options)
         self.config, self.plan = size_ring(config, pp_size, rank_memory_mib)
         self.pp_size = pp_size
-        self._engine: Engine | None = None
         self._ring: LocalRing | None = None
         # Rank 0 runs in this process: log it like the child ranks, into
         # `log_dir/rank0.jsonl` when given, until close().
         self._logs = logs.LogScope(0, log_dir, console_level="warning")
         try:
-            if pp_size == 1:
-                self._engine = Engine(self.config)
-                self.tokenizer = self._engine.tokenizer
-            else:
-                self._ring = LocalRing(self.config, pp_size, log_dir=log_dir)
-                self.tokenizer = self._ring.conductor.tokenizer
+            self._ring = LocalRing(self.config, pp_size, log_dir=log_dir)
+            self.tokenizer = self._ring.conductor.tokenizer
         except BaseException:
             self._logs.close()
             raise
@@ -67,36 +59,12 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         per_prompt = _per_prompt(params, len(prompts))
         ids = [self._encode(p) for p in prompts]
-        if self._ring is not None:
-            outputs = self._ring.generate(ids, per_prompt)
-        elif self._engine is not None:
-            outputs = self._run_local(self._engine, ids, per_prompt)
-        else:
+        if self._ring is None:
             raise RuntimeError("this LLM is closed")
-        failed = [o.finish_reason for o in outputs if (o.finish_reason or "").startswith("error")]
-        if failed and self._ring is not None and self._ring.conductor.failure is not None:
+        outputs = self._ring.generate(ids, per_prompt)
+        if self._ring.conductor.failure is not None:
             raise RuntimeError(f"generation failed: {self._ring.conductor.failure}")
         return outputs
-
-    @staticmethod
-    def _run_local(
-        engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
-    ) -> list[RequestOutput]:
-        handles = {}
-        for p, sp in zip(prompts, params, strict=True):
-            req = engine.submit(p, sp)
-            handles[req.req_id] = RequestHandle(req, TextStream(engine.tokenizer, sp.stop))
-        live = dict(handles)
-        while live:
-            touched = engine.step()
-            if not touched and not engine.scheduler.in_flight:
-                raise RuntimeError(f"engine made no progress: {engine.scheduler.census()}")
-            for req in touched:
-                handle = live.get(req.req_id)
-                if handle is not None and handle.advance(engine.scheduler) and handle.done:
-                    del live[req.req_id]
-                    engine.scheduler.forget(req.req_id)
-        return [h.output() for h in handles.values()]
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -106,7 +74,6 @@ class LLM:
         return [int(t) for t in prompt]
 
     def close(self) -> None:
-        self._engine = None
         if self._ring is not None:
             self._ring.close()
             self._ring = None

@@ -101,10 +101,11 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
         len(layers), config.kv_capacity_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device
     )
     log.info("pool.allocated", rank=rank, layers=f"{layers.start}:{layers.stop}", bytes=pool.nbytes)
+    runner = Runner(model, pool, device, layers, cfg.num_layers)
     from ringserve.engine.sizing import check_allocation
 
-    check_allocation(config.plan, rank, model, pool.nbytes)
-    return Stage(Runner(model, pool, device, layers, cfg.num_layers), rank=rank)
+    check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
+    return Stage(runner, rank=rank)
 
 
 @dataclass(slots=True)

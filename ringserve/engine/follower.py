@@ -98,7 +98,12 @@ class Follower:
             self.inbox.get(Hidden), upstream, self.wedge_timeout_s, self.health
         )
         if hidden.pass_id != p:
-            raise RuntimeError(f"rank {self.rank} got hidden of pass {hidden.pass_id}, owed {p}")
+            # links are FIFO, so the hidden of pass p was lost upstream: the
+            # ring cannot go on; say so and let the group be torn down
+            reason = f"rank {self.rank} got hidden of pass {hidden.pass_id}, owed {p}: hidden {p} was lost"
+            log.error("pass.lost", rank=self.rank, pass_id=p, kind="hidden", peer=self.rank - 1, got=hidden.pass_id)
+            self.health.mark_dead(reason)
+            raise RuntimeError(reason)
         void_rank = self.rank
         if hidden.void is not None:
             void, void_rank = hidden.void, hidden.void_rank

@@ -1,6 +1,7 @@
-"""A ring on this machine for the offline API: ranks 1..N-1 as child
-processes, rank 0's conductor on an event loop in a thread of the calling
-process, so `LLM.generate` stays synchronous for the user."""
+"""The ranks of the offline API on this machine: rank 0's conductor on an
+event loop in a thread of the calling process (so `LLM.generate` stays
+synchronous for the user) and, for a ring of N > 1, ranks 1..N-1 as child
+processes. A ring of one runs the same conductor with no links."""
 
 from __future__ import annotations
 
@@ -134,10 +135,13 @@ class LocalRing:
     async def _main(self) -> None:
         spec, config = self.specs[0], self.config
         self._stop = asyncio.Event()
-        init_group(0, spec.world, spec.master_addr, spec.master_port)
-        ends = open_links(spec)
+        ends = None
+        if spec.world > 1:
+            init_group(0, spec.world, spec.master_addr, spec.master_port)
+            ends = open_links(spec)
         conductor = build_conductor(config, spec.world, ends)
-        await announce_ready(ends, timeout_s=300.0)
+        if ends is not None:
+            await announce_ready(ends, timeout_s=300.0)
         self._ready.set_result(conductor)
         running = asyncio.create_task(conductor.run())
         watching = asyncio.create_task(self._watch_children(conductor))
@@ -145,9 +149,10 @@ class LocalRing:
         await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
         watching.cancel()
         running.cancel()
-        await ends.send.close(timeout_s=5.0)  # sends SHUTDOWN round the ring
-        if conductor.failure is None:
-            await ends.recv.close(timeout_s=5.0)
+        if ends is not None:
+            await ends.send.close(timeout_s=5.0)  # sends SHUTDOWN round the ring
+            if conductor.failure is None:
+                await ends.recv.close(timeout_s=5.0)
         conductor.executor.shutdown(wait=True)
 
     async def _watch_children(self, conductor: Conductor) -> None:
@@ -188,4 +193,5 @@ class LocalRing:
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=15.0)
         self.children.stop()
-        close_group()
+        if len(self.specs) > 1:
+            close_group()

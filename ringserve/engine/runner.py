@@ -57,6 +57,27 @@ class Runner:
         return self.model(x, batch, self.pool)
 
     @torch.inference_mode()
+    def dry_run(self, tokens: int, rows: int) -> None:
+        """One forward of the largest pass the server runs (`tokens` new
+        tokens in `rows` sequences, logits of every row on the last stage),
+        writing only into free pool slots: used to measure the activation
+        peak at boot, before any request exists."""
+        tokens = max(rows, min(tokens, self.pool.capacity - 1))
+        sizes = [tokens // rows + (1 if r < tokens % rows else 0) for r in range(rows)]
+        slots, rows_slots = iter(range(1, tokens + 1)), []
+        for n in sizes:
+            rows_slots.append([next(slots) for _ in range(n)])
+        batch = ForwardBatch.build(rows_slots, sizes, [True] * rows, self.device)
+        if self.first:
+            x = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        else:
+            x = torch.zeros(tokens, self.model.cfg.hidden_size, device=self.device)
+            x = x.to(next(self.model.parameters()).dtype)
+        hidden = self.model(x, batch, self.pool)
+        if self.last:
+            self.model.logits(hidden[batch.sample_rows])
+
+    @torch.inference_mode()
     def sample(
         self, decision: Decision, rows: list[Row], batch: ForwardBatch, hidden: torch.Tensor
     ) -> Output:
