@@ -62,7 +62,7 @@ def run_bare(model, cfg: ModelConfig, prompts: list[list[int]], new: int) -> flo
     """Prefill every prompt in one forward, then `new` decode forwards of the
     whole batch: the same tensors the engine builds, with no scheduling."""
     total = sum(len(p) for p in prompts) + len(prompts) * new + 1
-    pool = KVPool(cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    pool = KVPool(cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim, model.dtype)
     began = time.perf_counter()
     next_slot, rows = 1, []
     for p in prompts:
@@ -85,14 +85,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     path = builtin_model_dir()
     cfg = ModelConfig.from_dir(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    bare = load_model(path, cfg, range(cfg.num_layers), torch.float32)
-    llm = LLM(path, max_batch=args.requests, max_tokens_per_pass=2048, chunk_size=512)
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    bare = load_model(path, cfg, range(cfg.num_layers), dtype)
+    llm = LLM(path, dtype=args.dtype, max_batch=args.requests, max_tokens_per_pass=2048, chunk_size=512)
     figures: dict[str, list[float]] = {"ringserve": [], "transformers": [], "bare forward": []}
     # warm every engine up at the full shape (allocator pages, caches) on
     # a different workload than any measured round
@@ -108,7 +110,7 @@ def main() -> None:
         figures["bare forward"].append(run_bare(bare, cfg, prompts, args.new_tokens))
     best = {k: max(v) for k, v in figures.items()}
     print(f"{args.requests} requests, 96-token shared prefix, {args.new_tokens} new tokens, "
-          f"float32, torch threads {torch.get_num_threads()}")  # fmt: skip
+          f"{args.dtype}, torch threads {torch.get_num_threads()}")  # fmt: skip
     for name, tps in best.items():
         print(f"  {name:14s} {tps:9.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in figures[name])})")
     print(f"  ringserve / transformers = {best['ringserve'] / best['transformers']:.2f}x (goal >= 3)")

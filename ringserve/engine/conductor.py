@@ -92,8 +92,12 @@ class Conductor:
 
     # ---- the caller's side ---------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request; raises ValueError for one that can never run."""
+    def submit(
+        self, prompt: list[int], params: SamplingParams, stream_text: bool = True
+    ) -> RequestHandle:
+        """Queue a request; raises ValueError for one that can never run.
+        `stream_text=False` decodes the text once at the end (nobody reads
+        the deltas' text)."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
         req = self.new_request(prompt, params)
@@ -106,7 +110,7 @@ class Conductor:
                 params=params,
                 seed=req.spec.seed,
             )
-        handle = RequestHandle(req, TextStream(self.tokenizer, params.stop))
+        handle = RequestHandle(req, TextStream(self.tokenizer, params.stop, stream_text))
         self.handles[req.req_id] = handle
         self.metrics.requests_total += 1
         self.metrics.prompt_tokens += len(prompt)

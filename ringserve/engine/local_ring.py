@@ -14,6 +14,7 @@ import threading
 import time
 
 import structlog
+import uvloop
 
 from ringserve.engine.boot import (
     EngineConfig,
@@ -97,7 +98,7 @@ class LocalRing:
         self.specs = [RankSpec(r, pp_size, "127.0.0.1", port) for r in range(pp_size)]
         self.children = RankProcesses(self.specs[1:], self.config, log_dir)
         atexit.register(self.close)
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()  # the loop every rank runs
         self._ready: concurrent.futures.Future[Conductor] = concurrent.futures.Future()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._serve, name="rank0", daemon=True)
@@ -177,7 +178,7 @@ class LocalRing:
         handles: list[RequestHandle] = []
         try:
             for p, sp in zip(prompts, params, strict=True):
-                handles.append(self.conductor.submit(p, sp))
+                handles.append(self.conductor.submit(p, sp, stream_text=False))
             return list(await asyncio.gather(*(h.result() for h in handles)))
         except BaseException:
             for h in handles:

@@ -8,10 +8,16 @@ from ringserve.models.tokenizer import IncrementalDecoder, Tokenizer
 
 class TextStream:
     """Invariant: `text` is everything released so far; text that could be
-    the start of a stop string is held back until it is decided."""
+    the start of a stop string is held back until it is decided. A stream
+    that nobody reads delta by delta (`incremental=False`) and has no stop
+    strings decodes once, at the end, to the same text."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = (), incremental: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
         self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self._deferred: list[int] | None = None if incremental or stop else []
         self._stop = stop
         self._held = ""
         self.text = ""
@@ -21,12 +27,21 @@ class TextStream:
         """Feed one generated token; returns the text it releases."""
         if self.stopped or self._decoder is None:
             return ""
+        if self._deferred is not None:
+            self._deferred.append(token_id)
+            return ""
         self._held += self._decoder.push(token_id)
         return self._release(final=False)
 
     def finish(self) -> str:
         """Release what was held back once generation has ended."""
-        return "" if self.stopped else self._release(final=True)
+        if self.stopped or self._decoder is None:
+            return ""
+        if self._deferred is not None:
+            self.text = self._tokenizer.decode(self._deferred)
+            return self.text
+        self._held += self._decoder.flush()
+        return self._release(final=True)
 
     def _release(self, final: bool) -> str:
         # Held-back text is every suffix that could begin a stop string, so a

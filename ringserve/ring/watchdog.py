@@ -95,39 +95,50 @@ async def watched(aw: Awaitable[T], what: Owed, timeout_s: float, health: Health
     Past `timeout_s` logs `wedge.suspect` once, marks `health` unhealthy with
     "wedged: <what>", and keeps waiting; the suspicion is cleared when the
     wait ends. On success marks progress; on LinkError marks `health` dead
-    with the error and re-raises. Cancelling `watched` cancels `aw`."""
-    task = asyncio.ensure_future(aw)
+    with the error and re-raises. Cancelling `watched` cancels `aw`.
+
+    The watch is one timer on the loop, not a task: it sits on every pass."""
+    overdue = _Overdue(what, timeout_s, health)
+    timer = asyncio.get_running_loop().call_later(timeout_s, overdue.fire)
+    outcome = "cancelled"
     try:
-        await asyncio.wait((task,), timeout=timeout_s)
-        if not task.done():
-            await _wait_suspected(task, what, timeout_s, health)
-        result = task.result()
+        result = await aw
+        outcome = "arrived"
     except LinkError as exc:
+        outcome = "failed"
         health.mark_dead(str(exc))
         raise
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        outcome = "failed"
+        raise
     finally:
-        if not task.done():
-            task.cancel()
+        timer.cancel()
+        overdue.settle(outcome)
     health.mark_progress()
     return result
 
 
-async def _wait_suspected(
-    task: asyncio.Future[T], what: Owed, timeout_s: float, health: Health
-) -> None:
-    fields = dict(rank=health.rank, pass_id=what.pass_id, kind=what.kind_name, peer=what.peer)
-    log.warning("wedge.suspect", waited_s=timeout_s, **fields)
-    token = health.suspect(f"wedged: {what.describe(health.rank)}")
-    started = time.monotonic() - timeout_s
-    try:
-        await asyncio.wait((task,))
-    finally:
-        health.clear(token)
-        waited_s = round(time.monotonic() - started, 3)
-        log.info("wedge.cleared", waited_s=waited_s, outcome=_outcome(task), **fields)
+class _Overdue:
+    """The suspicion a watched wait raises once it outlives its timeout."""
 
+    def __init__(self, what: Owed, timeout_s: float, health: Health) -> None:
+        self.what, self.timeout_s, self.health = what, timeout_s, health
+        self.token: int | None = None
+        self.started = time.monotonic()
 
-def _outcome(task: asyncio.Future[T]) -> str:
-    if not task.done() or task.cancelled():
-        return "cancelled"
-    return "failed" if task.exception() is not None else "arrived"
+    def _fields(self) -> dict[str, object]:
+        w = self.what
+        return dict(rank=self.health.rank, pass_id=w.pass_id, kind=w.kind_name, peer=w.peer)
+
+    def fire(self) -> None:
+        log.warning("wedge.suspect", waited_s=self.timeout_s, **self._fields())
+        self.token = self.health.suspect(f"wedged: {self.what.describe(self.health.rank)}")
+
+    def settle(self, outcome: str) -> None:
+        if self.token is None:
+            return
+        self.health.clear(self.token)
+        waited_s = round(time.monotonic() - self.started, 3)
+        log.info("wedge.cleared", waited_s=waited_s, outcome=outcome, **self._fields())
