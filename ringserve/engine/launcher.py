@@ -73,7 +73,7 @@ class Launcher:
                 cmd += ["--http", msgspec.json.encode(self.http).decode()]
                 cmd += ["--ready-file", str(self.ready_file)]
             layers = layer_range(list(self.config.layer_split or ()), rank)
-            self.procs[rank] = proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            self.procs[rank] = proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
             say(f"started rank {rank} (layers {layers.start}-{layers.stop - 1}, pid {proc.pid})")
 
     def supervise(self) -> int:

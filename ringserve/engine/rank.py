@@ -87,7 +87,9 @@ def _as_path(kind: type, value: object) -> object:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to end this process when its parent dies (no orphans)."""
+    """Ask Linux to end this process when its parent dies (no orphans).
+    Ranks run in their own session, so a terminal's Ctrl-C reaches only the
+    launcher, which shuts the ring down in order."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -108,6 +110,7 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
     cfg = ModelConfig.from_dir(config.model_dir)
     split = list(config.layer_split or ())
     stage = build_stage(config, cfg, layer_range(split, spec.rank), spec.rank)
+    report_loaded(stage)
     ends = open_links(spec)
     follower = Follower(
         stage,
@@ -124,6 +127,18 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
         return EXIT_LINK_FAILED
     await ends.recv.close(timeout_s=2.0)
     return 0
+
+
+def report_loaded(stage) -> None:
+    """One line per rank on stderr: the launcher's loading progress."""
+    runner = stage.runner
+    mib = runner.pool.nbytes / 2**20
+    print(
+        f"ringserve: rank {stage.rank} loaded layers {runner.layers.start}-{runner.layers.stop - 1}, "
+        f"KV pool of {runner.pool.capacity} tokens ({mib:.1f} MiB)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def announce_ready(ends: RingEnds, timeout_s: float) -> None:

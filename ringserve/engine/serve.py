@@ -86,16 +86,18 @@ async def run_rank_zero(spec, config: EngineConfig, http: HttpOptions, ready_fil
     the ring down on the way out. Returns the process exit code."""
     from pathlib import Path
 
-    from ringserve.engine.rank import EXIT_LINK_FAILED, announce_ready, open_links
+    from ringserve.engine.rank import EXIT_LINK_FAILED, announce_ready, open_links, report_loaded
     from ringserve.http.app import create_app
 
     ends = None
     if spec.world > 1:
         ends = open_links(spec)
         conductor = build_conductor(config, spec.world, ends)
+        report_loaded(conductor.stage)
         await announce_ready(ends, timeout_s=600.0)
     else:
         conductor = build_conductor(config)
+        report_loaded(conductor.stage)
     app = create_app(conductor, http, plan=config.plan, model_dir=config.model_dir)
     ready = Path(ready_file) if ready_file else None
     reason = await serve(conductor, app, http, ready)
