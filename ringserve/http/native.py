@@ -52,7 +52,8 @@ def _prompt(served: ServedModel, body: GenerateRequest) -> list[int]:
         raise bad_request("give exactly one of input_ids and text", param="input_ids")
     if body.text is not None:
         return encode_text(served, body.text, "text")
-    return checked_ids(served, body.input_ids or [], "input_ids")
+    assert body.input_ids is not None  # exactly one of the two was given
+    return checked_ids(served, body.input_ids, "input_ids")
 
 
 async def _chunks(sub: Submission) -> AsyncIterator[GenerationChunk]:

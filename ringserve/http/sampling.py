@@ -79,7 +79,7 @@ def choice_params(
                 top_p=body.top_p,
                 min_p=body.min_p,
                 seed=None if body.seed is None else body.seed + i,
-                stop_token_ids=tuple(body.stop_token_ids or ()),
+                stop_token_ids=() if body.stop_token_ids is None else tuple(body.stop_token_ids),
                 stop=stop,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
