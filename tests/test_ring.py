@@ -102,3 +102,11 @@ def test_layer_split_must_cover_the_model(llama):
     path, _, _ = llama
     with pytest.raises(ValueError, match="layer_split"):
         LLM(path, pp_size=2, layer_split=[1, 1], **RING_OPTIONS)
+
+
+def test_a_token_outside_the_vocabulary_is_refused_before_it_can_fail_a_pass(llama):
+    path, prompts, expected = llama
+    with LLM(path, **ENGINE_OPTIONS) as llm:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[1, 2, 10**6]], GREEDY)
+        assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY)] == expected[:2]

@@ -92,6 +92,10 @@ class Conductor:
 
     # ---- the caller's side ---------------------------------------------------
 
+    @property
+    def vocab_size(self) -> int:
+        return self.stage.runner.model.cfg.vocab_size
+
     def submit(
         self, prompt: list[int], params: SamplingParams, stream_text: bool = True
     ) -> RequestHandle:
@@ -100,6 +104,9 @@ class Conductor:
         the deltas' text)."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:  # it would fail the whole pass it rides in, others too
+            raise ValueError(f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens")
         req = self.new_request(prompt, params)
         self.scheduler.add(req)
         if self._trace:  # what a re-run of the scheduler needs (ringserve replay)

@@ -40,7 +40,7 @@ class ServedModel:
         name = options.model_name or (model_dir.name if model_dir is not None else None)
         # Rank 0's stage is the first one, which holds the embedding: the
         # model's config there bounds the token ids it can take.
-        vocab = conductor.stage.runner.model.cfg.vocab_size
+        vocab = conductor.vocab_size
         return cls(conductor, options, name or DEFAULT_MODEL_NAME, int(time.time()), vocab, plan)
 
     @property
