@@ -8,7 +8,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ringserve import LLM, SamplingParams
-from ringserve.engine.boot import even_split
 from ringserve.engine.plan import PlanError
 from tests import model_factory
 from tests.workloads import ENGINE_OPTIONS, NEW_TOKENS, hf_greedy, reference_prompts
@@ -25,7 +24,7 @@ def test_uneven_budgets_give_an_uneven_plan_and_equal_outputs(tmp_path):
     llm = LLM(path, pp_size=3, rank_memory_mib=[900, 300, 300], **options)
     try:
         plan = llm.plan
-        assert plan is not None and list(plan.layer_split) != even_split(8, 3)
+        assert plan is not None and list(plan.layer_split) != [3, 3, 2]  # not the even split
         assert plan.layer_split[0] > max(plan.layer_split[1:])
         assert llm.config.kv_capacity_tokens == plan.capacity_tokens
         assert all(e.headroom >= 0 for e in plan.ledger)
@@ -41,3 +40,17 @@ def test_a_budget_that_cannot_hold_its_slice_is_refused_before_any_rank_starts(t
     path = model_factory.llama_deep(tmp_path)
     with pytest.raises(PlanError, match="rank 2"):
         LLM(path, pp_size=3, rank_memory_mib=[900, 300, 1])
+
+
+def test_without_budgets_each_rank_gets_its_default_budget_and_the_capacity_is_capped(tmp_path):
+    from ringserve.engine.boot import EngineConfig
+    from ringserve.engine.sizing import size_ring
+
+    path = model_factory.llama_deep(tmp_path)
+    config, plan = size_ring(EngineConfig(model_dir=path, kv_capacity_tokens=4096), 3, None)
+    assert plan is not None and all(e.budget.source == "measured" for e in plan.ledger)
+    assert config.kv_capacity_tokens == plan.capacity_tokens == 4096
+    assert config.layer_split == plan.layer_split and sum(plan.layer_split) == 8
+    assert all(e.headroom >= 0 for e in plan.ledger)
+    given, none = size_ring(EngineConfig(model_dir=path, layer_split=(2, 3, 3)), 3, None)
+    assert none is None and given.layer_split == (2, 3, 3) and given.kv_capacity_tokens == 16384

@@ -37,14 +37,6 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> str:
     return dtype
 
 
-def even_split(num_layers: int, pp_size: int) -> list[int]:
-    """Layers per rank, as even as possible, earlier ranks taking the rest."""
-    if not 1 <= pp_size <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers over {pp_size} ranks")
-    base, extra = divmod(num_layers, pp_size)
-    return [base + (1 if r < extra else 0) for r in range(pp_size)]
-
-
 def layer_range(split: list[int], rank: int) -> range:
     start = sum(split[:rank])
     return range(start, start + split[rank])

@@ -252,10 +252,12 @@ def solve(
     *,
     page_size: int = 16,
     min_capacity_tokens: int = 1,
+    max_capacity_tokens: int | None = None,
 ) -> Plan:
     """The split and the largest T (a multiple of page_size, at least
-    min_capacity_tokens rounded up to a page) that every rank fits; no split
-    fits T + page_size. Raises PlanError naming the rank that falls short."""
+    min_capacity_tokens rounded up to a page, at most max_capacity_tokens
+    when given) that every rank fits; below the cap no split fits
+    T + page_size. Raises PlanError naming the rank that falls short."""
     if len(budgets) != len(activations) or not budgets:
         raise ValueError(f"{len(budgets)} budgets for {len(activations)} activation figures")
     if page_size < 1:
@@ -270,6 +272,8 @@ def solve(
     if value < 0:
         raise _refusal(rig, split, lo * page_size)
     hi = max(lo, _page_bound(rig, page_size))
+    if max_capacity_tokens is not None:
+        hi = max(lo, min(hi, max_capacity_tokens // page_size))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if rig.best_split(mid * page_size)[0] >= 0:
@@ -309,6 +313,7 @@ def plan(
     dtype: str = "float32",
     page_size: int = 16,
     activations: Sequence[Figure] | None = None,
+    max_capacity_tokens: int | None = None,
 ) -> Plan:
     """Plan a model (a ModelConfig, or a model directory whose safetensors
     headers give the weight bytes) over pp_size ranks. The pool must hold at
@@ -342,6 +347,7 @@ def plan(
         activations,
         page_size=page_size,
         min_capacity_tokens=max_num_tokens_per_pass + 1,
+        max_capacity_tokens=max_capacity_tokens,
     )
     log.info("plan.solved", **result.to_dict())
     return result

@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 import torch
 
-from ringserve.engine.boot import EngineConfig, even_split, resolve_dtype
+from ringserve.engine.boot import EngineConfig, resolve_dtype
 from ringserve.engine.plan import Plan, plan
 from ringserve.engine.runner import Runner
 from ringserve.models.config import ModelConfig
@@ -22,16 +22,19 @@ log = structlog.get_logger(__name__)
 def size_ring(
     config: EngineConfig, pp_size: int, rank_memory_mib: list[int] | str | None
 ) -> tuple[EngineConfig, Plan | None]:
-    """The config every rank is started with. With budgets the planner picks
-    the split and capacity; without, the split is given or even and the
-    capacity is the configured one."""
+    """The config every rank is started with. The planner picks the split
+    and the capacity from the given budgets, or, when neither budgets nor a
+    split are given, from each rank's default budget (free device memory on
+    CUDA, a share of available RAM on the CPU) with the capacity capped at
+    `kv_capacity_tokens`, so a roomy machine does not reserve more KV than
+    the server is configured for. A given split is used as it is."""
     cfg = ModelConfig.from_dir(config.model_dir)
-    if rank_memory_mib is None:
-        split = config.layer_split or tuple(even_split(cfg.num_layers, pp_size))
-        check_split(split, pp_size, cfg.num_layers)
-        return replace(config, layer_split=tuple(split)), None
     if config.layer_split is not None:
-        raise ValueError("give rank memory budgets or a layer split, not both: the planner picks the split")
+        if rank_memory_mib is not None:
+            raise ValueError("give rank memory budgets or a layer split, not both: the planner picks the split")
+        check_split(config.layer_split, pp_size, cfg.num_layers)
+        return config, None
+    cap = None if rank_memory_mib is not None else config.kv_capacity_tokens
     solved = plan(
         config.model_dir,
         pp_size=pp_size,
@@ -39,6 +42,7 @@ def size_ring(
         max_num_tokens_per_pass=config.max_tokens_per_pass,
         max_num_seqs=config.max_batch,
         dtype=resolve_dtype(config.dtype, cfg),
+        max_capacity_tokens=cap,
     )
     sized = replace(
         config,
