@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ringserve.cache.allocator import OutOfSlots, SlotAllocator
+from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.census import Census, take_census
 from ringserve.cache.radix import RadixCache
+from ringserve.engine.kvbook import KVBook
 from ringserve.engine.request import Phase, Request
 from ringserve.ring.messages import Decision, Entry, NewRequest, Output, Void
 
@@ -22,8 +23,6 @@ log = structlog.get_logger(__name__)
 # A waiting request whose prompt shares at least this many more tokens with
 # a prompt still being prefilled waits for that prefill to reach the cache.
 SHARED_PREFIX_MIN = 16
-# When slots run short, evict at least capacity / EVICT_FRACTION at once.
-EVICT_FRACTION = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +73,7 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.cache = cache
+        self.kv = KVBook(allocator, cache, config.prefix_reuse)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -180,7 +180,7 @@ class Scheduler:
         members = sum(1 for r in self.running if r.mb_slot == draft.slot)
         while self.waiting and self._room(draft) and members < share:
             req = self.waiting[0]
-            reuse, node = self._match(req)
+            reuse, node = self.kv.match(req)
             if self._prefix_pending(req, len(reuse)):
                 log.debug("request.deferred", req=req.req_id, cached=len(reuse))
                 return
@@ -212,12 +212,6 @@ class Scheduler:
                 return True
         return False
 
-    def _match(self, req: Request) -> tuple[list[int], object]:
-        """Longest cached prefix, leaving at least one token to compute."""
-        probe = req.tokens[:-1] if self.config.prefix_reuse else []
-        match = self.cache.match_prefix(probe)
-        return match.slots, match.node
-
     def _add_entry(
         self, draft: _Draft, req: Request, slots: list[int], reuse: list[int] | None
     ) -> None:
@@ -236,12 +230,7 @@ class Scheduler:
         """n slots, cheapest relief first: evict unlocked cache, then, for a
         running asker, retract the newest idle request (possibly the asker
         itself, which then waits); None means the asker waits or parks."""
-        short = n - self.allocator.available
-        if short > 0:
-            # evict in batches: each call walks the tree, and a pass of decodes
-            # would otherwise ask for one slot at a time
-            batch = max(short, self.allocator.capacity // EVICT_FRACTION)
-            self.cache.evict(batch)  # the cache logs asked and freed
+        self.kv.evict_for(n)  # the cache logs asked and freed
         while asker is not None and n > self.allocator.available:
             victim = self._retract_candidate(draft)
             if victim is None:
@@ -249,10 +238,7 @@ class Scheduler:
             self._retract(victim)
             if victim is asker:
                 return None
-        try:
-            return self.allocator.alloc(n)
-        except OutOfSlots:
-            return None
+        return self.kv.take(n)
 
     def _retract_candidate(self, draft: _Draft) -> Request | None:
         for req in reversed(self.running):
@@ -263,15 +249,10 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         """Free a running request's KV and requeue it for re-prefill."""
         log.info("request.retracted", req=req.req_id, freed=len(req.private))
-        self._release(req)
+        self.kv.release(req)
         self.running.remove(req)
         req.phase = Phase.WAITING
         self.waiting.appendleft(req)
-
-    def _release(self, req: Request) -> None:
-        self.allocator.free(sorted(req.private))
-        self.cache.unlock(req.node)
-        req.private, req.row, req.node = set(), [], None
 
     # ---- terminals -----------------------------------------------------------
 
@@ -286,7 +267,7 @@ class Scheduler:
             if entry.sample:
                 self._take_token(req, out, next(sampled))
             elif self.config.prefix_reuse and req.prefilling:
-                self._insert(req)
+                self.kv.insert(req)
             reason = req.abort_reason or (
                 req.stop_reason(self.config.max_model_len) if entry.sample else None
             )
@@ -303,7 +284,7 @@ class Scheduler:
             top = out.top_logprobs[i]
             req.top_logprobs.append(dict(zip(top.token_ids, top.logprobs, strict=True)))
         if first and self.config.prefix_reuse:
-            self._insert(req)
+            self.kv.insert(req)
 
     def on_void(self, void: Void) -> list[Request]:
         """Roll a voided pass back: free what it allocated, restore each
@@ -328,28 +309,19 @@ class Scheduler:
         return record.reqs
 
     def _unadmit(self, req: Request) -> None:
-        self._release(req)
+        self.kv.release(req)
         self.running.remove(req)
         req.phase = Phase.WAITING
         self.waiting.appendleft(req)
 
-    def _insert(self, req: Request) -> None:
-        """Hand the request's confirmed KV to the radix cache and lock it."""
-        dups = self.cache.insert(req.tokens[: len(req.row)], req.row)
-        req.private = set(dups)
-        match = self.cache.match_prefix(req.tokens[: len(req.row)])
-        self.cache.lock(match.node)
-        self.cache.unlock(req.node)
-        req.node = match.node
-
     def _finish(self, req: Request, reason: str) -> None:
         if self.config.prefix_reuse and req.row and not reason.startswith(("abort", "error")):
-            self._insert(req)
+            self.kv.insert(req)
         if req.phase is Phase.RUNNING:
             self.running.remove(req)
             self._to_drop.append(req.req_id)
         if req.node is not None:
-            self._release(req)
+            self.kv.release(req)
         req.phase, req.finish_reason = Phase.FINISHED, reason
         log.info("request.finished", req=req.req_id, reason=reason, tokens=len(req.output))
 

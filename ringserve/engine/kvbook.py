@@ -1,0 +1,59 @@
+"""Where each request's KV lives, on rank 0: slots drawn from the allocator,
+prefixes borrowed from and handed to the radix cache. Mechanism only; which
+request gets slots is the scheduler's policy. Pure Python over ints."""
+
+from __future__ import annotations
+
+from ringserve.cache.allocator import OutOfSlots, SlotAllocator
+from ringserve.cache.radix import RadixCache, RadixNode
+from ringserve.engine.request import Request
+
+# When slots run short, evict at least capacity / EVICT_FRACTION at once:
+# each eviction walks the tree, and a pass of decodes would otherwise ask
+# for one slot at a time.
+EVICT_FRACTION = 64
+
+
+class KVBook:
+    """Invariant: every slot in a request's `private` set is that request's
+    alone and is freed when it leaves; every other slot of its row belongs to
+    the radix cache and is locked through `req.node`."""
+
+    def __init__(self, allocator: SlotAllocator, cache: RadixCache, prefix_reuse: bool) -> None:
+        self.allocator = allocator
+        self.cache = cache
+        self.prefix_reuse = prefix_reuse
+
+    def match(self, req: Request) -> tuple[list[int], RadixNode]:
+        """Longest cached prefix, leaving at least one token to compute."""
+        probe = req.tokens[:-1] if self.prefix_reuse else []
+        found = self.cache.match_prefix(probe)
+        return found.slots, found.node
+
+    def evict_for(self, n: int) -> None:
+        """Evict unlocked cache, in a batch, when fewer than n slots are free."""
+        short = n - self.allocator.available
+        if short > 0:
+            self.cache.evict(max(short, self.allocator.capacity // EVICT_FRACTION))
+
+    def take(self, n: int) -> list[int] | None:
+        """n slots, or None when they are not free (the caller parks)."""
+        try:
+            return self.allocator.alloc(n)
+        except OutOfSlots:
+            return None
+
+    def insert(self, req: Request) -> None:
+        """Hand the request's confirmed KV to the radix cache and lock it."""
+        dups = self.cache.insert(req.tokens[: len(req.row)], req.row)
+        req.private = set(dups)
+        found = self.cache.match_prefix(req.tokens[: len(req.row)])
+        self.cache.lock(found.node)
+        self.cache.unlock(req.node)
+        req.node = found.node
+
+    def release(self, req: Request) -> None:
+        """Free what the request owns and unlock what it borrowed."""
+        self.allocator.free(sorted(req.private))
+        self.cache.unlock(req.node)
+        req.private, req.row, req.node = set(), [], None
