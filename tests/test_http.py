@@ -17,7 +17,7 @@ from aiohttp import web
 from ringserve.cache.census import check_census
 from ringserve.engine.boot import EngineConfig
 from ringserve.engine.conductor import Conductor
-from ringserve.engine.serve import HttpOptions, build_local_conductor
+from ringserve.engine.serve import HttpOptions, build_conductor
 from ringserve.http.app import ROUTES, create_app
 from ringserve.models.builtin import builtin_model_dir
 
@@ -86,7 +86,7 @@ async def serving(
     config = EngineConfig(
         model_dir=builtin_model_dir(), kv_capacity_tokens=4096, max_model_len=max_model_len
     )
-    conductor = build_local_conductor(config)
+    conductor = build_conductor(config)
     running = asyncio.create_task(conductor.run())
     options = HttpOptions(port=0, api_key=api_key, model_name=MODEL, max_body_bytes=max_body_bytes)
     runner = web.AppRunner(create_app(conductor, options, plan))
@@ -496,6 +496,8 @@ async def test_health_is_503_with_the_reason_while_a_wait_is_overdue(server: Ser
     assert body == {"status": "unhealthy", "reason": "rank 0 waits Output of pass 7 from rank 2"}
     server.conductor.health.clear(token)
     assert (await server.get("/health"))[0] == 200
+    _, text = await server.get("/metrics")
+    assert "ringserve_wedge_suspicions_total 1" in text.splitlines()
 
 
 @pytest.mark.timeout(30)

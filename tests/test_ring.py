@@ -79,7 +79,8 @@ def test_voided_passes_are_retried_and_outputs_unchanged(llama, monkeypatch):
         outs = llm.generate(prompts, GREEDY)
         conductor = llm._ring.conductor
         assert [o.token_ids for o in outs] == expected
-        assert conductor.metrics.voids >= 3 and conductor.scheduler.voids == conductor.metrics.voids
+        assert conductor.scheduler.voids >= 3
+        assert conductor.counters()["voids_total"][0] == conductor.scheduler.voids
     finally:
         assert_no_rank_left(llm)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -79,8 +78,6 @@ class Conductor:
         self._launched = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.failure: str | None = None
-        self.last_heartbeat_rtt_s: float | None = None
-        self.on_failure: Callable[[str], None] | None = None
         self._trace = logs.tracing()  # asked once: digests per pass are not free
         log.info(
             "scheduler.config",
@@ -91,6 +88,14 @@ class Conductor:
         )
 
     # ---- the caller's side ---------------------------------------------------
+
+    def counters(self) -> dict[str, tuple[float, str]]:
+        """Counters kept where the events happen, for /metrics."""
+        return {
+            "voids_total": (self.scheduler.voids, "passes voided by some rank"),
+            "sampling_fallbacks_total": (self.scheduler.fallbacks, "rows sampled by the NaN fallback"),
+            "wedge_suspicions_total": (self.health.suspicions, "waits that exceeded the wedge timeout"),
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -243,11 +248,9 @@ class Conductor:
                 )
             touched = self.scheduler.on_output(msg)
             self.metrics.passes += 1
-            self.metrics.sampling_fallbacks += msg.fallbacks
             self.metrics.generation_tokens += len(msg.tokens)
         else:
             touched = self.scheduler.on_void(msg)
-            self.metrics.voids += 1
         self.health.mark_progress()
         self._deliver(touched)
         self._wake.set()
@@ -291,8 +294,7 @@ class Conductor:
             await self.ring.send.send(Control(ControlKind.HEARTBEAT, seq=seq))
             what = Owed(self.scheduler.next_pass_id - 1, Control, self.ring.last_rank)
             await watched(self._heartbeat_back(seq), what, self.wedge_timeout_s, self.health)
-            self.last_heartbeat_rtt_s = time.monotonic() - sent
-            log.debug("heartbeat.back", seq=seq, rtt_ms=round(self.last_heartbeat_rtt_s * 1e3, 3))
+            log.debug("heartbeat.back", seq=seq, rtt_ms=round((time.monotonic() - sent) * 1e3, 3))
 
     async def _heartbeat_back(self, seq: int) -> None:
         assert self.ring is not None
@@ -318,5 +320,3 @@ class Conductor:
         self.handles.clear()
         for task in self._tasks:
             task.cancel()
-        if self.on_failure is not None:
-            self.on_failure(reason)

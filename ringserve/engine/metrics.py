@@ -44,15 +44,17 @@ class Metrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cache_hit_tokens: int = 0
-    voids: int = 0
-    sampling_fallbacks: int = 0
-    wedge_suspicions: int = 0
     passes: int = 0
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
 
-    def render(self, gauges: dict[str, tuple[float, str]]) -> str:
-        """Prometheus text; `gauges` are point-in-time figures (name -> (value, help))."""
+    def render(
+        self,
+        gauges: dict[str, tuple[float, str]],
+        owned: dict[str, tuple[float, str]] | None = None,
+    ) -> str:
+        """Prometheus text; `gauges` are point-in-time figures and `owned`
+        counters kept by their owners (name -> (value, help))."""
         counters = {
             "requests_total": (self.requests_total, "requests received"),
             "requests_failed_total": (self.requests_failed, "requests that ended in an error"),
@@ -62,16 +64,8 @@ class Metrics:
                 self.cache_hit_tokens,
                 "prompt tokens served from the prefix cache",
             ),
-            "voids_total": (self.voids, "passes voided by some rank"),
-            "sampling_fallbacks_total": (
-                self.sampling_fallbacks,
-                "rows sampled by the NaN fallback",
-            ),
-            "wedge_suspicions_total": (
-                self.wedge_suspicions,
-                "waits that exceeded the wedge timeout",
-            ),
             "passes_total": (self.passes, "passes completed"),
+            **(owned or {}),
         }
         lines: list[str] = []
         for name, (value, text) in counters.items():

@@ -50,11 +50,6 @@ def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conducto
     )
 
 
-def build_local_conductor(config: EngineConfig) -> Conductor:
-    """A conductor that runs the whole model on this rank (no ring)."""
-    return build_conductor(config)
-
-
 async def serve(
     conductor: Conductor, app: web.Application, options: HttpOptions, ready: Path | None = None
 ) -> str:

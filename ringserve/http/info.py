@@ -28,7 +28,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = request.app[SERVED].conductor.metrics.render(gauges(request.app[SERVED]))
+    conductor = request.app[SERVED].conductor
+    text = conductor.metrics.render(gauges(request.app[SERVED]), conductor.counters())
     return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_TYPE})
 
 

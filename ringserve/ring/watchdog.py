@@ -54,6 +54,7 @@ class Health:
         self._tokens = itertools.count()
         self._dead: str | None = None
         self.last_progress = clock()
+        self.suspicions = 0  # ever opened, for /metrics
 
     @property
     def healthy(self) -> bool:
@@ -77,6 +78,7 @@ class Health:
         """Open a suspicion; returns the token that `clear` closes it with."""
         token = next(self._tokens)
         self._suspicions[token] = reason
+        self.suspicions += 1
         return token
 
     def clear(self, token: int) -> None:
