@@ -27,14 +27,14 @@ import logging
 
 import structlog
 
-from ringserve.engine.ledger import CUDA_RESERVE_FRACTION, CUDA_RESERVE_MIN
-from ringserve.engine.plan import (
+from ringserve.models.config import ModelConfig
+from ringserve.plan.ledger import CUDA_RESERVE_FRACTION, CUDA_RESERVE_MIN
+from ringserve.plan.solve import (
     PlanError,
     estimate_activations,
     model_bytes_from_config,
     plan,
 )
-from ringserve.models.config import ModelConfig
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -33,9 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ringserve.engine.batch import ForwardBatch  # noqa: E402
 from ringserve.kernels import ops  # noqa: E402
-from ringserve.kernels.attention import paged_attention_reference  # noqa: E402
+from ringserve.kernels.attention_reference import paged_attention_reference  # noqa: E402
+from ringserve.kernels.batch import ForwardBatch  # noqa: E402
 from ringserve.kernels.decode_attention import decode_attention  # noqa: E402
 
 NO_CUDA_EXIT = 3  # argparse already exits 2 on bad arguments

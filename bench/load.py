@@ -19,7 +19,7 @@ import time
 import urllib.request
 
 from ringserve.client import AsyncClient
-from ringserve.engine.local_ring import free_port
+from ringserve.launch.processes import free_port
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -21,7 +21,7 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.cache.pool import KVPool
-from ringserve.engine.batch import ForwardBatch
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.models.builtin import builtin_model_dir
 from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model

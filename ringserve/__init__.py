@@ -15,7 +15,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name in ("SamplingParams", "RequestOutput"):
-        from ringserve.engine import params
+        from ringserve import params
 
         return getattr(params, name)
     raise AttributeError(f"module 'ringserve' has no attribute {name!r}")

@@ -5,25 +5,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-from ringserve.engine.boot import EngineConfig
+from ringserve.config import EngineConfig
+
+
+def _defaults() -> dict[str, object]:
+    return {f.name: f.default for f in fields(EngineConfig)}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options; their defaults are `EngineConfig`'s (an option left
+    out is not passed on)."""
+    d = _defaults()
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in model)")
     p.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
     p.add_argument("--rank-memory-mib", default=None, help="memory budget per rank, e.g. 28000,9000,9000")
     p.add_argument("--layer-split", default=None, help="layers per rank, e.g. 3,5,4 (default: even)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-capacity-tokens", type=int, default=16384, help="KV slots per rank without a plan")
-    p.add_argument("--max-tokens-per-pass", type=int, default=512)
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk per request per pass")
-    p.add_argument("--max-batch", type=int, default=64, help="requests per pass")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], help=f"default {d['dtype']}")
+    p.add_argument("--max-model-len", type=int, help="default: the model's")
+    p.add_argument("--kv-capacity-tokens", type=int, help=f"KV slots per rank without a plan (default {d['kv_capacity_tokens']})")
+    p.add_argument("--max-tokens-per-pass", type=int, help=f"default {d['max_tokens_per_pass']}")
+    p.add_argument("--chunk-size", type=int, help=f"prefill chunk per request per pass (default {d['chunk_size']})")
+    p.add_argument("--max-batch", type=int, help=f"requests per pass (default {d['max_batch']})")
+    p.add_argument("--passes-in-flight", type=int, help="micro-batches in flight (default: the number of ranks)")
     p.add_argument("--no-prefix-reuse", action="store_true")
-    p.add_argument("--wedge-timeout-s", type=float, default=30.0)
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--wedge-timeout-s", type=float, help=f"default {d['wedge_timeout_s']}")
+    p.add_argument("--heartbeat-s", type=float, help=f"default {d['heartbeat_s']}")
+
+
+_PASSED_ON = (
+    "dtype", "max_model_len", "kv_capacity_tokens", "max_tokens_per_pass", "chunk_size",
+    "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s",
+)  # fmt: skip
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -31,26 +46,17 @@ def _config(args: argparse.Namespace) -> EngineConfig:
 
     model = Path(args.model) if args.model else builtin_model_dir()
     split = tuple(int(x) for x in args.layer_split.split(",")) if args.layer_split else None
+    given = {k: getattr(args, k) for k in _PASSED_ON if getattr(args, k) is not None}
     return EngineConfig(
-        model_dir=model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        max_tokens_per_pass=args.max_tokens_per_pass,
-        chunk_size=args.chunk_size,
-        max_batch=args.max_batch,
-        prefix_reuse=not args.no_prefix_reuse,
-        wedge_timeout_s=args.wedge_timeout_s,
-        heartbeat_s=args.heartbeat_s,
-        layer_split=split,
+        model_dir=model, prefix_reuse=not args.no_prefix_reuse, layer_split=split, **given
     )
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from ringserve.engine.launcher import NodeSpec, launch, say
-    from ringserve.engine.local_ring import free_port
-    from ringserve.engine.serve import HttpOptions
-    from ringserve.engine.sizing import size_ring
+    from ringserve.http.options import HttpOptions
+    from ringserve.launch.launcher import NodeSpec, launch, say
+    from ringserve.launch.processes import free_port
+    from ringserve.plan.sizing import size_ring
 
     if args.nnodes > 1 and args.master_port is None:
         raise SystemExit("ringserve: --master-port is required with --nnodes > 1")
@@ -63,7 +69,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ringserve.engine.sizing import size_ring
+    from ringserve.plan.sizing import size_ring
 
     _, plan = size_ring(_config(args), args.pp, args.rank_memory_mib)
     if plan is None:

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from ringserve import logs
-from ringserve.engine.boot import EngineConfig
-from ringserve.engine.local_ring import LocalRing
-from ringserve.engine.params import RequestOutput, SamplingParams
-from ringserve.engine.sizing import size_ring
+from ringserve.config import EngineConfig
+from ringserve.launch.local_ring import LocalRing
 from ringserve.models.builtin import builtin_model_dir
+from ringserve.params import RequestOutput, SamplingParams
+from ringserve.plan.sizing import size_ring
 
 Prompt = str | Sequence[int]
 

@@ -24,11 +24,12 @@ import structlog
 import torch
 import uvloop
 
+from ringserve.ring.errors import LinkError
 from ringserve.ring.group import close_group, init_group
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.link import LinkError, RecvLink, SendLink
+from ringserve.ring.link import RecvLink, SendLink
 from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output
-from ringserve.ring.watchdog import Health, Owed, watched
+from ringserve.ring.watchdog import Liveness, Owed, watched
 
 TAG = 3
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)
@@ -65,7 +66,7 @@ class Peer:
     rank: int
     world: int
     inbox: Inbox
-    health: Health
+    health: Liveness
     send: SendLink
     recv: RecvLink | None
 
@@ -241,7 +242,7 @@ async def main(args: argparse.Namespace) -> None:
     init_group(args.rank, args.world, "127.0.0.1", args.port, connect_timeout_s=30.0)
     inbox = Inbox()
     send = SendLink((args.rank + 1) % args.world, TAG, args.max_in_flight, inbox=inbox)
-    peer = Peer(args.rank, args.world, inbox, Health(args.rank), send, None)
+    peer = Peer(args.rank, args.world, inbox, Liveness(args.rank), send, None)
     if args.scenario not in ("backpressure", "retention", "kill") or args.rank == 0:
         peer.open_recv()
     await SCENARIOS[args.scenario](peer)

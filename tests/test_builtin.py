@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ringserve.cache.pool import KVPool
-from ringserve.engine.batch import ForwardBatch
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.models.builtin import BUILTIN_VERSION, builtin_model_dir
 from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model

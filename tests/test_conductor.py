@@ -4,20 +4,27 @@ and Voids wait in separate inbox queues (real scheduler, real inbox)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.radix import RadixCache
-from ringserve.engine.conductor import Conductor, RingPorts
-from ringserve.engine.params import SamplingParams
-from ringserve.engine.request import RequestFactory
-from ringserve.engine.scheduler import Scheduler, SchedulerConfig
+from ringserve.config import EngineConfig
+from ringserve.engine.conductor import Conductor
+from ringserve.params import SamplingParams
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.messages import Output, Void
+from ringserve.ring.topology import RingEnds
+from ringserve.sched.request import RequestFactory
+from ringserve.sched.scheduler import Scheduler, SchedulerConfig
 
 
 def two_passes_in_flight() -> tuple[Scheduler, list]:
     alloc = SlotAllocator(128)
-    sched = Scheduler(SchedulerConfig(max_model_len=256, passes_in_flight=2), alloc, RadixCache(alloc))
+    sched = Scheduler(
+        SchedulerConfig.from_engine(EngineConfig(Path("unused")), 256, passes_in_flight=2),
+        alloc,
+        RadixCache(alloc),
+    )
     factory = RequestFactory(frozenset())
     for i in range(4):
         sched.add(factory([1, 2, 3 + i], SamplingParams(max_tokens=3, temperature=0)))
@@ -27,7 +34,7 @@ def two_passes_in_flight() -> tuple[Scheduler, list]:
 async def test_a_later_output_waits_for_an_earlier_void():
     sched, (first, second) = two_passes_in_flight()
     inbox = Inbox()
-    conductor = Conductor(sched, None, None, RequestFactory(frozenset()), ring=RingPorts(None, inbox, last_rank=2))
+    conductor = Conductor(sched, None, None, RequestFactory(frozenset()), ring=RingEnds(inbox, None, None, last_rank=2))
     order: list[int] = []
     on_output, on_void = sched.on_output, sched.on_void
     sched.on_output = lambda m: order.append(m.pass_id) or on_output(m)

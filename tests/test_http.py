@@ -15,10 +15,11 @@ import pytest
 from aiohttp import web
 
 from ringserve.cache.census import check_census
-from ringserve.engine.boot import EngineConfig
+from ringserve.config import EngineConfig
 from ringserve.engine.conductor import Conductor
-from ringserve.engine.serve import HttpOptions, build_conductor
 from ringserve.http.app import ROUTES, create_app
+from ringserve.http.options import HttpOptions
+from ringserve.launch.serve import build_conductor
 from ringserve.models.builtin import builtin_model_dir
 
 MODEL = "ringserve-builtin"

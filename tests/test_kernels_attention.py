@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringserve.engine.batch import ForwardBatch
-from ringserve.kernels.attention import paged_attention_reference
+from ringserve.kernels.attention_reference import paged_attention_reference
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.decode_attention import decode_attention
 from ringserve.kernels.extend_attention import extend_attention
 from ringserve.kernels.layout import kernel_device

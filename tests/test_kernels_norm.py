@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ringserve.kernels.layout import kernel_device
-from ringserve.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
+from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_reference
 from ringserve.kernels.rmsnorm import add_rmsnorm, rmsnorm
 
 DEVICE = kernel_device()

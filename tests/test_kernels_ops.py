@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringserve.engine.batch import ForwardBatch
 from ringserve.kernels import ops
-from ringserve.kernels.attention import paged_attention_reference, store_kv_reference
+from ringserve.kernels.attention_reference import paged_attention_reference, store_kv_reference
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.decode_attention import decode_attention
 from ringserve.kernels.extend_attention import extend_attention
-from ringserve.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
+from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_reference
 from ringserve.kernels.rmsnorm import add_rmsnorm
 from ringserve.kernels.sample import sample
-from ringserve.kernels.sampling import sample_reference
+from ringserve.kernels.sample_reference import sample_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

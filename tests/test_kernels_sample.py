@@ -8,7 +8,7 @@ import torch
 
 from ringserve.kernels.layout import kernel_device
 from ringserve.kernels.sample import sample
-from ringserve.kernels.sampling import sample_reference
+from ringserve.kernels.sample_reference import sample_reference
 
 DEVICE = kernel_device()
 pytestmark = pytest.mark.skipif(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringserve.kernels.attention import store_kv_reference
+from ringserve.kernels.attention_reference import store_kv_reference
 from ringserve.kernels.layout import kernel_device
 from ringserve.kernels.store_kv import store_kv
 

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ringserve.cache.pool import KVPool
-from ringserve.engine.batch import ForwardBatch
-from ringserve.models import StageModel, build_model
+from ringserve.kernels.batch import ForwardBatch
+from ringserve.models import ModelSlice, build_model
 from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model
 from tests import model_factory
@@ -35,7 +35,7 @@ class Family:
     path: Path
     cfg: ModelConfig
     hf: torch.nn.Module
-    ours: StageModel
+    ours: ModelSlice
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -64,7 +64,7 @@ def random_tokens(cfg: ModelConfig, lens: list[int], seed: int) -> list[torch.Te
     return [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens]
 
 
-def pool_for(model: StageModel) -> KVPool:
+def pool_for(model: ModelSlice) -> KVPool:
     cfg = model.cfg
     return KVPool(len(model.layer_range), CAPACITY, cfg.num_kv_heads, cfg.head_dim, model.dtype)
 
@@ -76,7 +76,7 @@ def hf_logits(hf: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def run_pass(
-    stages: list[tuple[StageModel, KVPool]],
+    stages: list[tuple[ModelSlice, KVPool]],
     tokens: list[torch.Tensor],
     rows: list[list[int]],
     extend: list[int],

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ringserve.engine.plan import (
+from ringserve.models.config import ModelConfig
+from ringserve.plan.solve import (
     Figure,
     ModelBytes,
     PlanError,
@@ -22,7 +23,6 @@ from ringserve.engine.plan import (
     plan,
     solve,
 )
-from ringserve.models.config import ModelConfig
 
 MIB = 1 << 20
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ringserve import LLM, SamplingParams
-from ringserve.engine.plan import PlanError
+from ringserve.plan.solve import PlanError
 from tests import model_factory
 from tests.workloads import ENGINE_OPTIONS, NEW_TOKENS, hf_greedy, reference_prompts
 
@@ -43,8 +43,8 @@ def test_a_budget_that_cannot_hold_its_slice_is_refused_before_any_rank_starts(t
 
 
 def test_without_budgets_each_rank_gets_its_default_budget_and_the_capacity_is_capped(tmp_path):
-    from ringserve.engine.boot import EngineConfig
-    from ringserve.engine.sizing import size_ring
+    from ringserve.config import EngineConfig
+    from ringserve.plan.sizing import size_ring
 
     path = model_factory.llama_deep(tmp_path)
     config, plan = size_ring(EngineConfig(model_dir=path, kv_capacity_tokens=4096), 3, None)

@@ -19,10 +19,10 @@ import structlog
 import torch
 import uvloop
 
+from ringserve.ring.errors import LinkError
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.link import LinkError
 from ringserve.ring.messages import Control, ControlKind, Hidden, Output
-from ringserve.ring.watchdog import Health, Owed, watched
+from ringserve.ring.watchdog import Liveness, Owed, watched
 
 PEER = Path(__file__).with_name("ring_peer.py")
 ROOT = PEER.parent.parent
@@ -240,7 +240,7 @@ def test_cancelled_get_does_not_swallow_a_message(run) -> None:
 @RUNNERS
 def test_overdue_wait_is_suspected_once_then_cleared_on_arrival(run) -> None:
     async def main() -> None:
-        inbox, health = Inbox(), Health(rank=2)
+        inbox, health = Inbox(), Liveness(rank=2)
         owed = Owed(812, Hidden, 1)
         with structlog.testing.capture_logs() as logs:
             waiting = asyncio.ensure_future(watched(inbox.get(Hidden), owed, 0.05, health))
@@ -260,7 +260,7 @@ def test_overdue_wait_is_suspected_once_then_cleared_on_arrival(run) -> None:
 @RUNNERS
 def test_link_error_during_a_watched_wait_marks_health_dead(run) -> None:
     async def main() -> None:
-        inbox, health = Inbox(), Health(rank=0)
+        inbox, health = Inbox(), Liveness(rank=0)
         before = health.last_progress
         waiting = asyncio.ensure_future(
             watched(inbox.get(Output), Owed(5, Output, 2), 10.0, health)
@@ -276,7 +276,7 @@ def test_link_error_during_a_watched_wait_marks_health_dead(run) -> None:
 
 
 def test_health_stays_red_until_every_suspicion_clears() -> None:
-    health = Health(rank=1)
+    health = Liveness(rank=1)
     first, second = health.suspect("wedged: a"), health.suspect("wedged: b")
     health.clear(first)
     assert not health.healthy and health.reason == "wedged: b"

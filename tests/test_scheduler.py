@@ -5,21 +5,24 @@ so this drives exactly the code the engine runs."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.census import check_census
 from ringserve.cache.radix import RadixCache
-from ringserve.engine.params import SamplingParams
+from ringserve.config import EngineConfig
 from ringserve.engine.replica import Replica
-from ringserve.engine.request import Phase, RequestFactory
-from ringserve.engine.scheduler import Scheduler, SchedulerConfig
+from ringserve.params import SamplingParams
 from ringserve.ring.messages import Decision, Output, Void
+from ringserve.sched.request import Phase, RequestFactory
+from ringserve.sched.scheduler import Scheduler, SchedulerConfig
 
 
-def make(capacity: int = 256, **overrides) -> Scheduler:
-    cfg = SchedulerConfig(max_model_len=1024, **overrides)
+def make(capacity: int = 256, passes_in_flight: int = 1, **overrides) -> Scheduler:
+    engine = EngineConfig(Path("unused"), **overrides)
+    cfg = SchedulerConfig.from_engine(engine, model_limit=1024, passes_in_flight=passes_in_flight)
     alloc = SlotAllocator(capacity)
     return Scheduler(cfg, alloc, RadixCache(alloc))
 

@@ -13,36 +13,25 @@ import asyncio
 import os
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import structlog
 
 from ringserve import logs
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.metrics import Metrics
-from ringserve.engine.params import SamplingParams
-from ringserve.engine.request import Request, RequestFactory
-from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.stage import PassFailed, Stage
 from ringserve.engine.textstream import TextStream
 from ringserve.models.tokenizer import Tokenizer
+from ringserve.params import SamplingParams
+from ringserve.ring.errors import LinkError
 from ringserve.ring.faults import FaultPlan
-from ringserve.ring.inbox import Inbox
-from ringserve.ring.link import LinkError, SendLink
 from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
-from ringserve.ring.watchdog import Health, Owed, watched
+from ringserve.ring.topology import RingEnds
+from ringserve.ring.watchdog import Liveness, Owed, watched
+from ringserve.sched.request import Request, RequestFactory
+from ringserve.sched.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class RingPorts:
-    """Rank 0's ends of the ring: the link to rank 1 and the inbox fed by
-    the link from the last rank."""
-
-    send: SendLink
-    inbox: Inbox
-    last_rank: int
 
 
 class Conductor:
@@ -56,7 +45,7 @@ class Conductor:
         tokenizer: Tokenizer | None,
         new_request: RequestFactory,
         *,
-        ring: RingPorts | None = None,
+        ring: RingEnds | None = None,
         faults: FaultPlan | None = None,
         wedge_timeout_s: float = 30.0,
         heartbeat_s: float = 1.0,
@@ -71,7 +60,7 @@ class Conductor:
         self.wedge_timeout_s = wedge_timeout_s
         self.heartbeat_s = heartbeat_s
         self.executor = executor if executor is not None else ThreadPoolExecutor(1, "forward")
-        self.health = Health(rank=0)
+        self.health = Liveness(rank=0)
         self.metrics = Metrics()
         self.handles: dict[int, RequestHandle] = {}
         self._wake = asyncio.Event()

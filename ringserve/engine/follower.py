@@ -19,7 +19,7 @@ from ringserve.ring.faults import FaultPlan
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.link import SendLink
 from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
-from ringserve.ring.watchdog import Health, Owed, watched
+from ringserve.ring.watchdog import Liveness, Owed, watched
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +48,7 @@ class Follower:
         self.faults = faults
         self.wedge_timeout_s = wedge_timeout_s
         self.executor = executor if executor is not None else ThreadPoolExecutor(1, "forward")
-        self.health = Health(rank=self.rank)
+        self.health = Liveness(rank=self.rank)
         self.stopped = asyncio.Event()
 
     async def run(self) -> None:

@@ -8,10 +8,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ringserve.engine.params import RequestOutput
-from ringserve.engine.request import Phase, Request
-from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.textstream import TextStream
+from ringserve.params import RequestOutput
+from ringserve.sched.request import Phase, Request
+from ringserve.sched.scheduler import Scheduler
 
 
 @dataclass(frozen=True, slots=True)

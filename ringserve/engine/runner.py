@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ringserve.cache.pool import KVPool
-from ringserve.engine.batch import ForwardBatch
 from ringserve.engine.replica import Row
 from ringserve.engine.sampler import Sampler
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.ring.messages import Decision, Output
 
 

@@ -14,10 +14,10 @@ from typing import Any
 from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
-from ringserve.engine.serve import HttpOptions
 from ringserve.http import chat, completions, info, native
 from ringserve.http.middleware import auth_middleware, error_middleware
 from ringserve.http.openapi import OPENAPI, Route, openapi_spec
+from ringserve.http.options import HttpOptions
 from ringserve.http.responses import (
     ChatCompletion,
     Completion,

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from ringserve.engine.params import RequestOutput
 from ringserve.http.logprobs import chat_logprobs
 from ringserve.http.prompts import chat_prompt
 from ringserve.http.responses import (
@@ -31,6 +30,7 @@ from ringserve.http.schemas import ChatRequest, read_json
 from ringserve.http.served import SERVED, ServedModel
 from ringserve.http.sse import stream_events
 from ringserve.http.submission import Submission
+from ringserve.params import RequestOutput
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from ringserve.engine.params import RequestOutput
 from ringserve.http.logprobs import completion_logprobs
 from ringserve.http.prompts import completion_prompts
 from ringserve.http.responses import (
@@ -22,6 +21,7 @@ from ringserve.http.schemas import CompletionRequest, read_json
 from ringserve.http.served import SERVED, ServedModel
 from ringserve.http.sse import stream_events
 from ringserve.http.submission import Submission
+from ringserve.params import RequestOutput
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

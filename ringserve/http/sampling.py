@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ringserve.engine.params import SamplingParams
 from ringserve.http.errors import ApiError, bad_request
 from ringserve.http.schemas import (
     MAX_CHOICES,
@@ -23,6 +22,7 @@ from ringserve.http.schemas import (
     unsupported_fields,
 )
 from ringserve.http.served import ServedModel
+from ringserve.params import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 256

@@ -15,8 +15,8 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from ringserve.engine.params import MAX_TOP_LOGPROBS
 from ringserve.http.errors import invalid_body
+from ringserve.params import MAX_TOP_LOGPROBS
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # choices per request, over all its prompts

@@ -11,8 +11,8 @@ from typing import Any
 from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
-from ringserve.engine.serve import HttpOptions
 from ringserve.http.errors import ApiError
+from ringserve.http.options import HttpOptions
 from ringserve.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "ringserve"

@@ -19,9 +19,9 @@ from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
 from ringserve.engine.handle import Delta, RequestHandle
-from ringserve.engine.params import RequestOutput, SamplingParams
 from ringserve.http.errors import ApiError, bad_request
 from ringserve.http.responses import PromptTokensDetails, Usage
+from ringserve.params import RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ringserve.engine.batch import ForwardBatch
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.layout import (
     dot_dtype,
     dot_precision,

@@ -8,7 +8,7 @@ import os
 import torch
 import triton.language as tl
 
-from ringserve.engine.batch import ForwardBatch
+from ringserve.kernels.batch import ForwardBatch
 
 _TL_DTYPES = {
     torch.float32: tl.float32,

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.engine.batch import ForwardBatch
 from ringserve.kernels import decode_attention as decode
 from ringserve.kernels import extend_attention as extend
 from ringserve.kernels import rmsnorm as triton_norm
 from ringserve.kernels import sample as triton_sample
 from ringserve.kernels import store_kv as triton_store
-from ringserve.kernels.attention import paged_attention_reference, store_kv_reference
-from ringserve.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
-from ringserve.kernels.sampling import sample_reference
+from ringserve.kernels.attention_reference import paged_attention_reference, store_kv_reference
+from ringserve.kernels.batch import ForwardBatch
+from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_reference
+from ringserve.kernels.sample_reference import sample_reference
 
 
 def uses_triton(device: torch.device) -> bool:

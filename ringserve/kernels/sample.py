@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ringserve.kernels.layout import require, require_inner_contiguous, require_same_device
-from ringserve.kernels.sampling import NOISE_MAX, NOISE_MIN, tempered_probs
+from ringserve.kernels.sample_reference import NOISE_MAX, NOISE_MIN, tempered_probs
 
 # Kernels may only read globals that are constexpr.
 FLOAT_MAX = tl.constexpr(3.4028234663852886e38)  # nan_to_num's stand-in for inf

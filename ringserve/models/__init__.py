@@ -7,9 +7,9 @@ import torch
 from ringserve.models.config import ModelConfig
 from ringserve.models.gpt_bigcode import GPTBigCodeModel
 from ringserve.models.llama import LlamaModel
-from ringserve.models.stage import StageModel
+from ringserve.models.slice import ModelSlice
 
-__all__ = ["GPTBigCodeModel", "LlamaModel", "ModelConfig", "StageModel", "build_model"]
+__all__ = ["GPTBigCodeModel", "LlamaModel", "ModelConfig", "ModelSlice", "build_model"]
 
 
 def build_model(
@@ -17,7 +17,7 @@ def build_model(
     layers: range,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
-) -> StageModel:
+) -> ModelSlice:
     """An unloaded model holding `layers` of `cfg`; fill it with `load_state`
     (or build and fill it in one step with `loader.load_model`)."""
     if cfg.family == "gpt_bigcode":

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.cache.pool import KVPool
-from ringserve.engine.batch import ForwardBatch
 from ringserve.kernels import ops
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.models.config import ModelConfig
-from ringserve.models.stage import StageModel, empty_param
+from ringserve.models.slice import ModelSlice, empty_param
 
 _GELU_APPROXIMATION = {
     "gelu": "none",
@@ -97,8 +97,8 @@ class BigCodeLayer(nn.Module):
         return F.linear(out.flatten(-2), w["attn_c_proj_weight"], w["attn_c_proj_bias"])
 
 
-class GPTBigCodeModel(StageModel):
-    """Layers `layers` of a GPT-BigCode model (see `StageModel`). The first
+class GPTBigCodeModel(ModelSlice):
+    """Layers `layers` of a GPT-BigCode model (see `ModelSlice`). The first
     stage owns wte and wpe; the last owns ln_f and the head, which is wte
     itself when the stage is also first and a copy of it otherwise."""
 

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.cache.pool import KVPool
-from ringserve.engine.batch import ForwardBatch
 from ringserve.kernels import ops
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.models.config import ModelConfig
 from ringserve.models.rope import RotaryEmbedding, apply_rope
-from ringserve.models.stage import StageModel, empty_param
+from ringserve.models.slice import ModelSlice, empty_param
 
 _SILU = {"silu", "swish"}
 
@@ -120,8 +120,8 @@ class LlamaLayer(nn.Module):
         return F.linear(F.silu(gate) * up, self.down, self.down_bias)
 
 
-class LlamaModel(StageModel):
-    """Layers `layers` of a Llama-family model (see `StageModel`). With tied
+class LlamaModel(ModelSlice):
+    """Layers `layers` of a Llama-family model (see `ModelSlice`). With tied
     embeddings the head is the embedding matrix: the same tensor when one
     stage is both first and last, a separate copy on a last stage that is not
     the first."""

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from ringserve.models import build_model
 from ringserve.models.config import ModelConfig
-from ringserve.models.stage import StageModel
+from ringserve.models.slice import ModelSlice
 from ringserve.models.weights import WeightIndex
 
 log = structlog.get_logger(__name__)
@@ -70,7 +70,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     index: WeightIndex | None = None,
-) -> StageModel:
+) -> ModelSlice:
     """The model slice holding `layers`, its weights cast to `dtype` on
     `device`. Pass `index` to reuse one already read (the planner's)."""
     started = time.monotonic()

@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from ringserve.models.config import ModelConfig
-from ringserve.models.stage import check_layer_range
+from ringserve.models.slice import check_layer_range
 
 Part = int | Literal["embed", "head"]
 

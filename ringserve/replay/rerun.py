@@ -13,12 +13,12 @@ import msgspec
 from ringserve import logs
 from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.radix import RadixCache
-from ringserve.engine.params import SamplingParams
-from ringserve.engine.request import Request, sampling_spec
-from ringserve.engine.scheduler import Scheduler, SchedulerConfig
+from ringserve.params import SamplingParams
 from ringserve.replay.report import Finding, RerunSummary
 from ringserve.replay.trace import Event, Trace
 from ringserve.ring.messages import Output, Void
+from ringserve.sched.request import Request, sampling_spec
+from ringserve.sched.scheduler import Scheduler, SchedulerConfig
 
 INPUTS = (
     "request.arrival",

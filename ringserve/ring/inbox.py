@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-from ringserve.ring.link import LinkError
+from ringserve.ring.errors import LinkError
 from ringserve.ring.messages import MESSAGE_TYPES, Message
 
 M = TypeVar("M", bound=Message)

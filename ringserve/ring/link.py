@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ringserve import logs
 from ringserve.ring import codec
+from ringserve.ring.errors import LinkError
 from ringserve.ring.messages import Control, ControlKind, Message
 
 if TYPE_CHECKING:
@@ -56,16 +57,6 @@ def _log_message(event: str, msg: Message, nbytes: int, peer: int) -> None:
     if isinstance(msg, Control):
         fields.update(control=str(msg.kind), seq=msg.seq)
     log.debug(event, **fields)
-
-
-class LinkError(Exception):
-    """The link with rank `peer` is unusable: the peer died, closed the link,
-    or the stream on it is out of step. `reason` says which."""
-
-    def __init__(self, peer: int, reason: str) -> None:
-        super().__init__(f"link with rank {peer} failed: {reason}")
-        self.peer = peer
-        self.reason = reason
 
 
 def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:

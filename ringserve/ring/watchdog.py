@@ -2,7 +2,7 @@
 
 A wait that outlives the wedge timeout is a SUSPICION, not a cancellation:
 `watched` logs one `wedge.suspect` event naming the pass, the kind and the
-peer, turns `Health` red with that reason, and keeps waiting; when the message
+peer, turns `Liveness` red with that reason, and keeps waiting; when the message
 finally arrives the suspicion is cleared. Health is liveness of the work: it
 is red while any owed message is overdue or once the rank is dead.
 """
@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import structlog
 
-from ringserve.ring.link import LinkError
+from ringserve.ring.errors import LinkError
 from ringserve.ring.messages import Message
 
 log = structlog.get_logger(__name__)
@@ -42,7 +42,7 @@ class Owed:
         return f"rank {rank} waits {self.kind_name} of pass {self.pass_id} from rank {self.peer}"
 
 
-class Health:
+class Liveness:
     """Liveness of one rank's work. Invariant: `healthy` is true exactly when
     the rank is not dead and no owed wait is under suspicion; `reason` names
     the death, else the oldest open suspicion, else is None. Death is final."""
@@ -91,7 +91,7 @@ class Health:
             self._dead = reason
 
 
-async def watched(aw: Awaitable[T], what: Owed, timeout_s: float, health: Health) -> T:
+async def watched(aw: Awaitable[T], what: Owed, timeout_s: float, health: Liveness) -> T:
     """Await `aw`, which must produce the message `what` describes.
 
     Past `timeout_s` logs `wedge.suspect` once, marks `health` unhealthy with
@@ -125,7 +125,7 @@ async def watched(aw: Awaitable[T], what: Owed, timeout_s: float, health: Health
 class _Overdue:
     """The suspicion a watched wait raises once it outlives its timeout."""
 
-    def __init__(self, what: Owed, timeout_s: float, health: Health) -> None:
+    def __init__(self, what: Owed, timeout_s: float, health: Liveness) -> None:
         self.what, self.timeout_s, self.health = what, timeout_s, health
         self.token: int | None = None
         self.started = time.monotonic()

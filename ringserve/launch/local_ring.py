@@ -8,75 +8,22 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import socket
-import subprocess
 import threading
 import time
 
 import structlog
 import uvloop
 
-from ringserve.engine.boot import (
-    EngineConfig,
-)
+from ringserve.config import EngineConfig
 from ringserve.engine.conductor import Conductor
 from ringserve.engine.handle import RequestHandle
-from ringserve.engine.params import RequestOutput, SamplingParams
-from ringserve.engine.rank import (
-    EXIT_LINK_FAILED,
-    RankSpec,
-    announce_ready,
-    child_command,
-    open_links,
-)
-from ringserve.engine.serve import build_conductor
+from ringserve.launch.processes import RankProcesses, free_port
+from ringserve.launch.serve import build_conductor
+from ringserve.params import RequestOutput, SamplingParams
 from ringserve.ring.group import close_group, init_group
+from ringserve.ring.topology import RankSpec, announce_ready, open_links
 
 log = structlog.get_logger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RankProcesses:
-    """Child rank processes. Invariant: after `stop()` none is running."""
-
-    def __init__(self, specs: list[RankSpec], config: EngineConfig, log_dir: str | None) -> None:
-        self.procs: dict[int, subprocess.Popen] = {}
-        for spec in specs:
-            cmd = child_command(spec, config) + (["--log-dir", log_dir] if log_dir else [])
-            self.procs[spec.rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def culprit(self) -> str | None:
-        """A rank that exited on its own (not because a link to it failed)."""
-        for rank, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None and code not in (0, EXIT_LINK_FAILED):
-                return f"rank {rank} exited with code {code}"
-        return None
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        stop_processes(list(self.procs.values()), grace_s)
-
-
-def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """Give processes `grace_s` to exit, then SIGTERM, then SIGKILL; returns
-    only once every one has exited."""
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(2.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class LocalRing:
@@ -92,7 +39,7 @@ class LocalRing:
         startup_timeout_s: float = 300.0,
     ) -> None:
         if config.layer_split is None:
-            raise ValueError("a local ring needs its layer split (engine/sizing.size_ring)")
+            raise ValueError("a local ring needs its layer split (plan/sizing.size_ring)")
         self.config = config
         port = free_port()
         self.specs = [RankSpec(r, pp_size, "127.0.0.1", port) for r in range(pp_size)]

@@ -14,9 +14,10 @@ import structlog
 from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.census import Census, take_census
 from ringserve.cache.radix import RadixCache
-from ringserve.engine.kvbook import KVBook
-from ringserve.engine.request import Phase, Request
+from ringserve.config import EngineConfig
 from ringserve.ring.messages import Decision, Entry, NewRequest, Output, Void
+from ringserve.sched.kvbook import KVBook
+from ringserve.sched.request import Phase, Request
 
 log = structlog.get_logger(__name__)
 
@@ -27,21 +28,37 @@ SHARED_PREFIX_MIN = 16
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Budgets of one pass. `passes_in_flight` is the pipeline depth S."""
+    """Budgets of one pass. `passes_in_flight` is the pipeline depth S. The
+    defaults are `EngineConfig`'s: build one with `from_engine`."""
 
     max_model_len: int
-    max_tokens_per_pass: int = 512
-    chunk_size: int = 256
-    max_batch: int = 64
-    max_retries: int = 3
-    prefix_reuse: bool = True
-    passes_in_flight: int = 1
+    max_tokens_per_pass: int
+    chunk_size: int
+    max_batch: int
+    max_retries: int
+    prefix_reuse: bool
+    passes_in_flight: int
 
     def __post_init__(self) -> None:
         if min(self.max_tokens_per_pass, self.chunk_size, self.max_batch) < 1:
             raise ValueError("pass budgets must be >= 1")
         if self.passes_in_flight < 1 or self.max_retries < 0:
             raise ValueError("passes_in_flight must be >= 1 and max_retries >= 0")
+
+    @classmethod
+    def from_engine(
+        cls, config: EngineConfig, model_limit: int, passes_in_flight: int
+    ) -> SchedulerConfig:
+        """The budgets `config` gives a model whose context is `model_limit` long."""
+        return cls(
+            max_model_len=min(config.max_model_len or model_limit, model_limit),
+            max_tokens_per_pass=config.max_tokens_per_pass,
+            chunk_size=config.chunk_size,
+            max_batch=config.max_batch,
+            max_retries=config.max_retries,
+            prefix_reuse=config.prefix_reuse,
+            passes_in_flight=passes_in_flight,
+        )
 
 
 @dataclass(slots=True)

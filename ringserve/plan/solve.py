@@ -33,7 +33,8 @@ from pathlib import Path
 
 import structlog
 
-from ringserve.engine.ledger import (
+from ringserve.models.config import _DTYPE_BYTES, ModelConfig
+from ringserve.plan.ledger import (
     Figure,
     Plan,
     PlanError,
@@ -44,7 +45,6 @@ from ringserve.engine.ledger import (
     shortfall_message,
     total,
 )
-from ringserve.models.config import _DTYPE_BYTES, ModelConfig
 
 __all__ = [
     "Figure",

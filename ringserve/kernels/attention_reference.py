@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ringserve.engine.batch import ForwardBatch
+from ringserve.kernels.batch import ForwardBatch
 
 
 def store_kv_reference(

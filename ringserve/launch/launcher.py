@@ -15,10 +15,10 @@ from pathlib import Path
 
 import msgspec
 
-from ringserve.engine.boot import EngineConfig, layer_range
-from ringserve.engine.local_ring import stop_processes
-from ringserve.engine.rank import EXIT_LINK_FAILED, RankSpec, child_command
-from ringserve.engine.serve import HttpOptions
+from ringserve.config import EngineConfig, layer_range
+from ringserve.http.options import HttpOptions
+from ringserve.launch.processes import EXIT_LINK_FAILED, child_command, stop_processes
+from ringserve.ring.topology import RankSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.engine.params import SamplingParams
+from ringserve.params import SamplingParams
 from ringserve.ring.messages import SamplingSpec
 
 

@@ -1,64 +1,18 @@
-"""Sizing a ring before any rank allocates: the layer split and the one KV
-capacity, from the memory planner when rank budgets are given (DESIGN §5),
-and each rank's check of what it allocated against its ledger row."""
+"""Each rank's boot-time audit: what it allocated, and the activation peak it
+measured with a dry forward, against its ledger row (DESIGN §5: no
+allocation made after the plan may be missing from it)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
-from ringserve.engine.boot import EngineConfig, resolve_dtype
-from ringserve.engine.plan import Plan, plan
 from ringserve.engine.runner import Runner
-from ringserve.models.config import ModelConfig
 
 log = structlog.get_logger(__name__)
-
-
-def size_ring(
-    config: EngineConfig, pp_size: int, rank_memory_mib: list[int] | str | None
-) -> tuple[EngineConfig, Plan | None]:
-    """The config every rank is started with. The planner picks the split
-    and the capacity from the given budgets, or, when neither budgets nor a
-    split are given, from each rank's default budget (free device memory on
-    CUDA, a share of available RAM on the CPU) with the capacity capped at
-    `kv_capacity_tokens`, so a roomy machine does not reserve more KV than
-    the server is configured for. A given split is used as it is."""
-    cfg = ModelConfig.from_dir(config.model_dir)
-    if config.layer_split is not None:
-        if rank_memory_mib is not None:
-            raise ValueError("give rank memory budgets or a layer split, not both: the planner picks the split")
-        check_split(config.layer_split, pp_size, cfg.num_layers)
-        return config, None
-    cap = None if rank_memory_mib is not None else config.kv_capacity_tokens
-    solved = plan(
-        config.model_dir,
-        pp_size=pp_size,
-        rank_memory_mib=rank_memory_mib,
-        max_num_tokens_per_pass=config.max_tokens_per_pass,
-        max_num_seqs=config.max_batch,
-        dtype=resolve_dtype(config.dtype, cfg),
-        max_capacity_tokens=cap,
-    )
-    sized = replace(
-        config,
-        layer_split=tuple(solved.layer_split),
-        kv_capacity_tokens=solved.capacity_tokens,
-        plan=solved.to_dict(),
-    )
-    return sized, solved
-
-
-def check_split(split: tuple[int, ...] | list[int], pp_size: int, num_layers: int) -> None:
-    if len(split) != pp_size or sum(split) != num_layers or min(split) < 1:
-        raise ValueError(
-            f"layer_split {list(split)} must give {pp_size} ranks >= 1 layer each, "
-            f"{num_layers} layers in all"
-        )
 
 
 def measure_activations(runner: Runner, tokens: int, rows: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ringserve.cache.allocator import OutOfSlots, SlotAllocator
 from ringserve.cache.radix import RadixCache, RadixNode
-from ringserve.engine.request import Request
+from ringserve.sched.request import Request
 
 # When slots run short, evict at least capacity / EVICT_FRACTION at once:
 # each eviction walks the tree, and a pass of decodes would otherwise ask

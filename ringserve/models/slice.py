@@ -26,7 +26,7 @@ def check_layer_range(cfg: ModelConfig, layers: range) -> None:
         )
 
 
-class StageModel(nn.Module):
+class ModelSlice(nn.Module):
     """Layers `layer_range` of a model. Invariant: the first stage
     (start == 0) owns the token embedding, the last stage (stop ==
     num_layers) owns the final norm and the head matrix, and local layer j

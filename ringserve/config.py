@@ -1,0 +1,54 @@
+"""The one `EngineConfig`: everything that shapes the engine of every rank,
+with its defaults declared here and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SERVING_DTYPES = ("bfloat16", "float32")
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
+    """`auto` serves in the checkpoint's dtype, except float16, which is slow
+    on CPUs and is served as float32."""
+    if dtype == "auto":
+        dtype = checkpoint_dtype if checkpoint_dtype in SERVING_DTYPES else "float32"
+    if dtype not in SERVING_DTYPES:
+        raise ValueError(f"dtype must be one of {list(SERVING_DTYPES)} or 'auto', not {dtype!r}")
+    return dtype
+
+
+def layer_range(split: list[int] | tuple[int, ...], rank: int) -> range:
+    """The layers rank `rank` holds under `split`."""
+    start = sum(split[:rank])
+    return range(start, start + split[rank])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything that shapes the engine of every rank."""
+
+    model_dir: Path
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    kv_capacity_tokens: int = 16384
+    max_tokens_per_pass: int = 512
+    chunk_size: int = 256
+    max_batch: int = 64
+    prefix_reuse: bool = True
+    max_retries: int = 3
+    device: str = "cpu"
+    wedge_timeout_s: float = 30.0
+    heartbeat_s: float = 1.0
+    layer_split: tuple[int, ...] | None = field(default=None)
+    torch_threads: int | None = None
+    passes_in_flight: int | None = None  # micro-batch slots S; default: the number of ranks
+    plan: dict[str, Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kv_capacity_tokens < 2:
+            raise ValueError("kv_capacity_tokens must be >= 2")
+        if self.wedge_timeout_s <= 0 or self.heartbeat_s <= 0:
+            raise ValueError("wedge_timeout_s and heartbeat_s must be > 0")

@@ -1,0 +1,79 @@
+"""Building one rank: its model slice, KV pool and stage; on rank 0 also the
+scheduler, caches and tokenizer. One definition used by every way of
+starting ranks (offline LLM, launcher, rank processes)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from ringserve.cache.allocator import SlotAllocator
+from ringserve.cache.pool import KVPool
+from ringserve.cache.radix import RadixCache
+from ringserve.config import EngineConfig, resolve_dtype
+from ringserve.engine.runner import Runner
+from ringserve.engine.stage import Stage
+from ringserve.models.config import ModelConfig
+from ringserve.models.loader import load_model
+from ringserve.models.tokenizer import Tokenizer
+from ringserve.plan.audit import check_allocation
+from ringserve.sched.request import RequestFactory
+from ringserve.sched.scheduler import Scheduler, SchedulerConfig
+
+log = structlog.get_logger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int) -> Stage:
+    """Load this rank's slice and size its pool with the ring's one capacity."""
+    dtype = TORCH_DTYPES[resolve_dtype(config.dtype, cfg.torch_dtype)]
+    device = torch.device(config.device)
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
+    model = load_model(config.model_dir, cfg, layers, dtype, device)
+    pool = KVPool(
+        len(layers), config.kv_capacity_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device
+    )
+    log.info("pool.allocated", rank=rank, layers=f"{layers.start}:{layers.stop}", bytes=pool.nbytes)
+    runner = Runner(model, pool, device, layers, cfg.num_layers)
+    check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
+    return Stage(runner, rank=rank)
+
+
+def report_loaded(stage: Stage) -> None:
+    """One line per rank on stderr: the launcher's loading progress."""
+    runner = stage.runner
+    mib = runner.pool.nbytes / 2**20
+    print(
+        f"ringserve: rank {stage.rank} loaded layers {runner.layers.start}-{runner.layers.stop - 1}, "
+        f"KV pool of {runner.pool.capacity} tokens ({mib:.1f} MiB)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+@dataclass(slots=True)
+class RankZero:
+    """What only rank 0 holds: the scheduler (with the allocator and the
+    prefix cache), the tokenizer, and the request factory."""
+
+    scheduler: Scheduler
+    tokenizer: Tokenizer | None
+    new_request: RequestFactory
+
+
+def build_rank_zero(config: EngineConfig, cfg: ModelConfig, world: int) -> RankZero:
+    passes_in_flight = config.passes_in_flight or world
+    allocator = SlotAllocator(config.kv_capacity_tokens)
+    scheduler = Scheduler(
+        SchedulerConfig.from_engine(config, cfg.max_position_embeddings, passes_in_flight), allocator, RadixCache(allocator)
+    )
+    return RankZero(
+        scheduler,
+        Tokenizer.from_dir(config.model_dir),
+        RequestFactory(frozenset(cfg.eos_token_ids)),
+    )

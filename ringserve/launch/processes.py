@@ -1,0 +1,98 @@
+"""Rank processes: the command line that starts one, and their supervision
+from the parent (no process outlives the one that started it)."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from ringserve.config import EngineConfig
+from ringserve.ring.topology import RankSpec
+
+# A rank that exits because a link to it failed is a casualty, not a culprit.
+EXIT_LINK_FAILED = 3
+
+
+def encode_config(config: EngineConfig) -> str:
+    return msgspec.json.encode(config, enc_hook=str).decode()
+
+
+def decode_config(text: str) -> EngineConfig:
+    return msgspec.json.decode(text, type=EngineConfig, dec_hook=_as_path)
+
+
+def _as_path(kind: type, value: object) -> object:
+    if kind is Path:
+        return Path(str(value))
+    raise NotImplementedError(kind)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to end this process when its parent dies (no orphans).
+    Ranks run in their own session, so a terminal's Ctrl-C reaches only the
+    launcher, which shuts the ring down in order."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def child_command(spec: RankSpec, config: EngineConfig) -> list[str]:
+    """The command line of one rank process (it carries `--rank R`)."""
+    return [
+        sys.executable, "-m", "ringserve.launch.rank",
+        "--rank", str(spec.rank), "--world", str(spec.world),
+        "--master-addr", spec.master_addr, "--master-port", str(spec.master_port),
+        "--config", encode_config(config),
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankProcesses:
+    """Child rank processes. Invariant: after `stop()` none is running."""
+
+    def __init__(self, specs: list[RankSpec], config: EngineConfig, log_dir: str | None) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+        for spec in specs:
+            cmd = child_command(spec, config) + (["--log-dir", log_dir] if log_dir else [])
+            self.procs[spec.rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def culprit(self) -> str | None:
+        """A rank that exited on its own (not because a link to it failed)."""
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None and code not in (0, EXIT_LINK_FAILED):
+                return f"rank {rank} exited with code {code}"
+        return None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        stop_processes(list(self.procs.values()), grace_s)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Give processes `grace_s` to exit, then SIGTERM, then SIGKILL; returns
+    only once every one has exited."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
