@@ -91,7 +91,7 @@ async def fifo(peer: Peer) -> None:
             await peer.send.send(Decision(p, p % 2, 0, [], [], []))
             await peer.send.send(Hidden(p), pass_tensors(p))
         for p in range(FIFO_PASSES):
-            out, _ = await peer.inbox.get(Output)
+            out = await peer.inbox.terminal()
             seen.append(out.pass_id)
             if out.tokens != [p, peer.world - 1]:
                 errors.append(f"output {out.pass_id} carries {out.tokens}")
@@ -178,7 +178,7 @@ async def kill(peer: Peer) -> None:
     await peer.send.send(Hidden(0), (torch.zeros(1024),))
     report("peer.waiting", at=time.monotonic(), in_flight=peer.send.in_flight)
     try:
-        await watched(peer.inbox.get(Output), Owed(0, Output, 1), 30.0, peer.health)
+        await watched(peer.inbox.terminal(), Owed(0, Output, 1), 30.0, peer.health)
     except LinkError as exc:
         report("peer.get_failed", at=time.monotonic(), peer=exc.peer, error=str(exc))
     for name, attempt in (("flush", peer.send.flush), ("send", lambda: peer.send.send(Hidden(1)))):

@@ -1,5 +1,5 @@
-"""Rank 0's conductor applies terminals in pass order even though Outputs
-and Voids wait in separate inbox queues (real scheduler, real inbox)."""
+"""Rank 0's conductor applies terminals in the order the last rank sent them,
+which is pass order, and refuses any other (real scheduler, real inbox)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ringserve.cache.radix import RadixCache
 from ringserve.config import EngineConfig
 from ringserve.engine.conductor import Conductor
 from ringserve.params import SamplingParams
+from ringserve.ring.errors import LinkError
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.messages import Output, Void
 from ringserve.ring.topology import RingEnds
@@ -31,23 +32,42 @@ def two_passes_in_flight() -> tuple[Scheduler, list]:
     return sched, [sched.schedule(), sched.schedule()]
 
 
-async def test_a_later_output_waits_for_an_earlier_void():
-    sched, (first, second) = two_passes_in_flight()
-    inbox = Inbox()
-    conductor = Conductor(sched, None, None, RequestFactory(frozenset()), ring=RingEnds(inbox, None, None, last_rank=2))
-    order: list[int] = []
-    on_output, on_void = sched.on_output, sched.on_void
-    sched.on_output = lambda m: order.append(m.pass_id) or on_output(m)
-    sched.on_void = lambda m: order.append(m.pass_id) or on_void(m)
-    # arriving together, the later pass's Output must not be applied first
-    inbox.put(Output(second.pass_id, [7] * sum(e.sample for e in second.entries)))
-    inbox.put(Void(first.pass_id, 1, "injected"))
+def conductor_of(sched: Scheduler, inbox: Inbox) -> Conductor:
+    ends = RingEnds(inbox, None, None, last_rank=2)
+    return Conductor(sched, None, None, RequestFactory(frozenset()), ring=ends)
+
+
+async def run_terminals(conductor: Conductor) -> BaseException | None:
+    """Run the terminal loop until nothing is in flight or it fails."""
     task = asyncio.create_task(conductor._terminals())
     for _ in range(50):
         await asyncio.sleep(0.01)
-        if not sched.in_flight:
+        if task.done() or not conductor.scheduler.in_flight:
             break
     task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    assert order == [first.pass_id, second.pass_id]
+    (outcome,) = await asyncio.gather(task, return_exceptions=True)
+    return None if isinstance(outcome, asyncio.CancelledError) else outcome
+
+
+async def test_a_void_and_an_output_are_applied_in_pass_order():
+    sched, (first, second) = two_passes_in_flight()
+    inbox = Inbox()
+    order: list[tuple[str, int]] = []
+    on_output, on_void = sched.on_output, sched.on_void
+    sched.on_output = lambda m: order.append(("output", m.pass_id)) or on_output(m)
+    sched.on_void = lambda m: order.append(("void", m.pass_id)) or on_void(m)
+    inbox.put(Void(first.pass_id, 1, "injected"))
+    inbox.put(Output(second.pass_id, [7] * sum(e.sample for e in second.entries)))
+    assert await run_terminals(conductor_of(sched, inbox)) is None
+    assert order == [("void", first.pass_id), ("output", second.pass_id)]
     assert sched.voids == 1 and not sched.in_flight
+
+
+async def test_a_terminal_out_of_pass_order_breaks_the_ring():
+    sched, (first, second) = two_passes_in_flight()
+    inbox = Inbox()
+    inbox.put(Output(second.pass_id, [7] * sum(e.sample for e in second.entries)))
+    failure = await run_terminals(conductor_of(sched, inbox))
+    assert isinstance(failure, LinkError)
+    assert f"terminal of pass {second.pass_id} arrived, owed {first.pass_id}" in str(failure)
+    assert first.pass_id in sched.in_flight and second.pass_id in sched.in_flight

@@ -21,7 +21,7 @@ import uvloop
 
 from ringserve.ring.errors import LinkError
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.messages import Control, ControlKind, Hidden, Output
+from ringserve.ring.messages import Control, ControlKind, Hidden, Output, Void
 from ringserve.ring.watchdog import Liveness, Owed, watched
 
 PEER = Path(__file__).with_name("ring_peer.py")
@@ -213,9 +213,9 @@ def test_inbox_failure_wakes_waiters_but_delivers_what_arrived(run) -> None:
         inbox.fail(LinkError(2, "gone"))
         with pytest.raises(LinkError, match="rank 2"):
             await waiting
-        assert (await inbox.get(Output))[0].pass_id == 3
+        assert (await inbox.terminal()).pass_id == 3
         with pytest.raises(LinkError, match="gone"):
-            await inbox.get(Output)
+            await inbox.terminal()
 
     run(main())
 
@@ -263,7 +263,7 @@ def test_link_error_during_a_watched_wait_marks_health_dead(run) -> None:
         inbox, health = Inbox(), Liveness(rank=0)
         before = health.last_progress
         waiting = asyncio.ensure_future(
-            watched(inbox.get(Output), Owed(5, Output, 2), 10.0, health)
+            watched(inbox.terminal(), Owed(5, Output, 2), 10.0, health)
         )
         await asyncio.sleep(0)
         inbox.fail(LinkError(2, "connection closed"))
@@ -285,3 +285,23 @@ def test_health_stays_red_until_every_suspicion_clears() -> None:
     health.mark_dead("link with rank 0 failed")
     health.mark_dead("later")
     assert health.reason == "link with rank 0 failed"
+
+
+@pytest.mark.timeout(10)
+@RUNNERS
+def test_outputs_and_voids_share_one_lane_in_arrival_order(run) -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        inbox.put(Void(4, 1, "injected"))
+        inbox.put(Output(5, [1]))
+        inbox.put(Hidden(6))
+        assert inbox.pending(Output) == inbox.pending(Void) == 2
+        assert [await inbox.terminal(), await inbox.terminal()] == [
+            Void(4, 1, "injected"),
+            Output(5, [1]),
+        ]
+        with pytest.raises(TypeError, match="one lane"):
+            await inbox.get(Output)
+        assert (await inbox.get(Hidden))[0] == Hidden(6)
+
+    run(main())

@@ -193,41 +193,23 @@ class Conductor:
             await self.ring.send.send(Hidden(p), [result])
 
     async def _terminals(self) -> None:
-        """Apply the one terminal owed for each pass, in pass order. Outputs
-        and Voids wait in separate inbox queues, so a terminal of a later
-        pass than the oldest in flight is held back until its turn."""
+        """Apply the one terminal owed for each pass, in pass order: the last
+        rank sends them in that order on one FIFO link, so a terminal of any
+        other pass than the oldest in flight means the stream is broken."""
         assert self.ring is not None
-        early: dict[int, Output | Void] = {}
         while True:
             if not self.scheduler.in_flight:
                 self._launched.clear()
                 await self._launched.wait()
                 continue
-            oldest = min(self.scheduler.in_flight)
-            if oldest in early:
-                self._on_terminal(early.pop(oldest))
-                continue
+            oldest = next(iter(self.scheduler.in_flight))  # passes enter in pass order
             what = Owed(oldest, Output, self.ring.last_rank)
-            for msg in await watched(self._next_terminals(), what, self.wedge_timeout_s, self.health):
-                if msg.pass_id not in self.scheduler.in_flight or msg.pass_id in early:
-                    raise LinkError(
-                        self.ring.last_rank, f"unexpected terminal of pass {msg.pass_id}, owed {oldest}"
-                    )
-                early[msg.pass_id] = msg
-
-    async def _next_terminals(self) -> list[Output | Void]:
-        """The next Output or Void (both, when they arrive in one tick)."""
-        assert self.ring is not None
-        inbox = self.ring.inbox
-        gets = [asyncio.ensure_future(inbox.get(Output)), asyncio.ensure_future(inbox.get(Void))]
-        try:
-            done, _ = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in gets:
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(*gets, return_exceptions=True)
-        return [task.result()[0] for task in gets if task in done]
+            msg = await watched(self.ring.inbox.terminal(), what, self.wedge_timeout_s, self.health)
+            if msg.pass_id != oldest:
+                raise LinkError(
+                    self.ring.last_rank, f"terminal of pass {msg.pass_id} arrived, owed {oldest}"
+                )
+            self._on_terminal(msg)
 
     def _on_terminal(self, msg: Output | Void) -> None:
         if isinstance(msg, Output):

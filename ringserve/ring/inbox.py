@@ -2,7 +2,9 @@
 
 There is no positional stash: `await inbox.get(Hidden)` can only ever be
 satisfied by a `Hidden`, and a message of another kind that arrives first
-stays queued for the wait that is owed it.
+stays queued for the wait that is owed it. The two terminal kinds, `Output`
+and `Void`, share one lane (`await inbox.terminal()`), so terminals are taken
+in the order the last rank sent them: pass order.
 """
 
 from __future__ import annotations
@@ -14,24 +16,34 @@ from typing import TypeVar
 import torch
 
 from ringserve.ring.errors import LinkError
-from ringserve.ring.messages import MESSAGE_TYPES, Message
+from ringserve.ring.messages import MESSAGE_TYPES, TERMINAL_TYPES, Message, Terminal
 
 M = TypeVar("M", bound=Message)
 Received = tuple[Message, tuple[torch.Tensor, ...]]
+_TERMINAL = "terminal"  # the lane of Output and Void
+
+
+def _lane(kind: type) -> type | str:
+    if kind in TERMINAL_TYPES:
+        return _TERMINAL
+    if kind not in MESSAGE_TYPES:
+        raise TypeError(f"{kind!r} is not a ring message type")
+    return kind
 
 
 class Inbox:
-    """Queues of received `(msg, tensors)`, one per message type, FIFO within
-    a type. Invariant: a queued message is handed to exactly one `get` of its
-    own type, in arrival order; once the inbox has failed, a `get` that finds
+    """Queues of received `(msg, tensors)`, one lane per message type (one
+    for both terminal types), FIFO within a lane. Invariant: a queued message
+    is handed to exactly one wait of its own lane, in arrival order; once the inbox has failed, a `get` that finds
     its queue empty raises that failure instead of waiting (messages that
     arrived before the failure are still delivered). Loop-thread only: link
     readers reach it through `loop.call_soon_threadsafe`."""
 
     def __init__(self) -> None:
-        self._queues: dict[type, deque[Received]] = {t: deque() for t in MESSAGE_TYPES}
-        self._waiters: dict[type, deque[asyncio.Future[Received]]] = {
-            t: deque() for t in MESSAGE_TYPES
+        lanes = {_lane(t) for t in MESSAGE_TYPES}
+        self._queues: dict[type | str, deque[Received]] = {lane: deque() for lane in lanes}
+        self._waiters: dict[type | str, deque[asyncio.Future[Received]]] = {
+            lane: deque() for lane in lanes
         }
         self._error: LinkError | None = None
 
@@ -41,19 +53,19 @@ class Inbox:
         return self._error
 
     def pending(self, kind: type[Message]) -> int:
-        """Messages of `kind` received and not yet taken."""
-        return len(self._queues[self._known(kind)])
+        """Messages of `kind`'s lane received and not yet taken."""
+        return len(self._queues[_lane(kind)])
 
     def put(self, msg: Message, tensors: tuple[torch.Tensor, ...] = ()) -> None:
         """Deliver one received message to the oldest wait for its type."""
-        kind = type(msg)
-        waiters = self._waiters[self._known(kind)]
+        lane = _lane(type(msg))
+        waiters = self._waiters[lane]
         while waiters:
             fut = waiters.popleft()
             if not fut.done():
                 fut.set_result((msg, tensors))
                 return
-        self._queues[kind].append((msg, tensors))
+        self._queues[lane].append((msg, tensors))
 
     def fail(self, error: LinkError) -> None:
         """Wake every current wait with `error`; later waits on an empty queue
@@ -68,27 +80,32 @@ class Inbox:
 
     async def get(self, kind: type[M]) -> tuple[M, tuple[torch.Tensor, ...]]:
         """The oldest `(msg, tensors)` of `kind`, waiting for one if none is
-        queued. Raises LinkError if the inbox failed and none is queued."""
-        queue = self._queues[self._known(kind)]
+        queued. Raises LinkError if the inbox failed and none is queued.
+        Terminals are taken with `terminal()`, never by kind."""
+        if kind in TERMINAL_TYPES:
+            raise TypeError("Output and Void share one lane: wait with Inbox.terminal()")
+        return await self._take(_lane(kind))  # type: ignore[return-value]
+
+    async def terminal(self) -> Terminal:
+        """The oldest terminal (Output or Void), in the order they were sent."""
+        msg, _ = await self._take(_TERMINAL)
+        return msg  # type: ignore[return-value]
+
+    async def _take(self, lane: type | str) -> Received:
+        queue = self._queues[lane]
         if queue:
-            return queue.popleft()  # type: ignore[return-value]
+            return queue.popleft()
         if self._error is not None:
             raise self._error
         fut: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
-        self._waiters[kind].append(fut)
+        self._waiters[lane].append(fut)
         try:
-            return await fut  # type: ignore[return-value]
+            return await fut
         except asyncio.CancelledError:
             # Handed a message in the same tick as the cancellation: put it
             # back at the front so it is not lost.
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 queue.appendleft(fut.result())
-            elif fut in self._waiters[kind]:
-                self._waiters[kind].remove(fut)
+            elif fut in self._waiters[lane]:
+                self._waiters[lane].remove(fut)
             raise
-
-    @staticmethod
-    def _known(kind: type) -> type:
-        if kind not in MESSAGE_TYPES:
-            raise TypeError(f"{kind!r} is not a ring message type")
-        return kind

@@ -112,3 +112,7 @@ class Control(msgspec.Struct, frozen=True, tag="control"):
 
 Message = Decision | Hidden | Output | Void | Control
 MESSAGE_TYPES: tuple[type, ...] = (Decision, Hidden, Output, Void, Control)
+# The one terminal of a pass (DESIGN §3.4). Both kinds share one inbox lane,
+# because the last rank sends them in pass order on one FIFO link.
+Terminal = Output | Void
+TERMINAL_TYPES: tuple[type, ...] = (Output, Void)
