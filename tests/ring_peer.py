@@ -88,7 +88,7 @@ async def fifo(peer: Peer) -> None:
     errors, seen = [], []
     if peer.rank == 0:
         for p in range(FIFO_PASSES):
-            await peer.send.send(Decision(p, p % 2, 0, [], [], []))
+            await peer.send.send(Decision(p, p % 2, [], [], []))
             await peer.send.send(Hidden(p), pass_tensors(p))
         for p in range(FIFO_PASSES):
             out = await peer.inbox.terminal()

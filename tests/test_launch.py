@@ -94,7 +94,8 @@ async def test_bad_input_is_refused_and_the_server_carries_on(server):
         async with session.get(server.url + "/health") as resp:
             assert resp.status == 200
     async with AsyncClient(server.url) as client:
-        assert (await client.complete("still fine", max_tokens=3, temperature=0)).text is not None
+        done = await client.complete("still fine", max_tokens=3, temperature=0, ignore_eos=True)
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 3
 
 
 def test_killed_rank_turns_health_red_and_ends_the_group():

@@ -30,7 +30,7 @@ def read(path) -> list[dict]:
 
 def decision(p: int) -> Decision:
     entry = Entry(req_id=7, start=0, tokens=[5, 6], slots=[1, 2], sample=True, reuse=[])
-    return Decision(p, 0, 0, [NewRequest(7, SamplingSpec(seed=3))], [entry], [])
+    return Decision(p, 0, [NewRequest(7, SamplingSpec(seed=3))], [entry], [])
 
 
 def test_file_gets_every_level_with_rank_and_monotonic_time(tmp_path, capsys):

@@ -30,7 +30,6 @@ MESSAGES = [
     Decision(
         pass_id=812,
         mb_slot=1,
-        kv_epoch=3,
         new_requests=[NewRequest(5, SamplingSpec(temperature=0.7, top_k=40, seed=11))],
         entries=[Entry(5, 0, [1, 2, 3], [9, 10, 11], True, reuse=[4, 6])],
         dropped=[2],
@@ -40,8 +39,8 @@ MESSAGES = [
     Output(
         812, [17, 42], logprobs=[-0.5, -1.25], top_logprobs=[TopLogprobs([17, 3], [-0.5, -2.0])]
     ),
-    Void(813, rank=2, reason="kv epoch 3 is not 4"),
-    Control(ControlKind.KV_EPOCH, seq=7, rank=1, epoch=4, reason="restart"),
+    Void(813, rank=2, reason="RuntimeError: out of memory"),
+    Control(ControlKind.HEARTBEAT, seq=7, rank=1, reason="idle"),
 ]
 
 

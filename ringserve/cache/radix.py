@@ -143,7 +143,7 @@ class RadixCache:
         return freed
 
     def reset(self) -> int:
-        """Drop the whole tree (a KV epoch change); returns the slots freed.
+        """Drop the whole tree; returns the slots freed.
         Handles from before the reset are rejected by lock and unlock."""
         if self._locked:
             raise RuntimeError(

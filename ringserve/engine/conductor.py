@@ -10,7 +10,6 @@ per pass from the last rank. With one rank the pass ends locally.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 
@@ -24,7 +23,6 @@ from ringserve.engine.textstream import TextStream
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import SamplingParams
 from ringserve.ring.errors import LinkError
-from ringserve.ring.faults import FaultPlan
 from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
 from ringserve.ring.topology import RingEnds
 from ringserve.ring.watchdog import Liveness, Owed, watched
@@ -46,7 +44,6 @@ class Conductor:
         new_request: RequestFactory,
         *,
         ring: RingEnds | None = None,
-        faults: FaultPlan | None = None,
         wedge_timeout_s: float = 30.0,
         heartbeat_s: float = 1.0,
         executor: Executor | None = None,
@@ -56,7 +53,6 @@ class Conductor:
         self.tokenizer = tokenizer
         self.new_request = new_request
         self.ring = ring
-        self.faults = faults if faults is not None else FaultPlan.parse("", 0)
         self.wedge_timeout_s = wedge_timeout_s
         self.heartbeat_s = heartbeat_s
         self.executor = executor if executor is not None else ThreadPoolExecutor(1, "forward")
@@ -163,7 +159,6 @@ class Conductor:
                 "decision.made",
                 pass_id=p,
                 mb_slot=decision.mb_slot,
-                kv_epoch=decision.kv_epoch,
                 digest=decision.digest(),
                 decision=decision,
             )
@@ -171,13 +166,7 @@ class Conductor:
         if self.ring is not None:
             await self.ring.send.send(decision)
             self._launched.set()
-        if self.faults.should_crash(p):
-            log.error("fault.crash", rank=0, pass_id=p)
-            logs.flush()
-            os._exit(17)
         try:
-            if self.faults.should_void(p):
-                raise PassFailed("injected void")
             forward = loop.run_in_executor(self.executor, self.stage.compute, decision, rows, None)
             # rank 0's own forward is owed work too: a hung one turns health red
             result = await watched(forward, Owed(p, Output, 0), self.wedge_timeout_s, self.health)
@@ -189,7 +178,7 @@ class Conductor:
             return
         if self.ring is None:
             self._on_terminal(result)
-        elif not self.faults.should_drop(Hidden, p):
+        else:
             await self.ring.send.send(Hidden(p), [result])
 
     async def _terminals(self) -> None:

@@ -5,17 +5,13 @@ rank 0 with exactly one terminal per pass. A follower never decides."""
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import structlog
 import torch
 
-from ringserve import logs
 from ringserve.engine.replica import ReplicaMismatch, Row
 from ringserve.engine.stage import PassFailed, Stage
-from ringserve.ring.faults import FaultPlan
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.link import SendLink
 from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
@@ -36,7 +32,6 @@ class Follower:
         send: SendLink,
         *,
         last: bool,
-        faults: FaultPlan,
         wedge_timeout_s: float = 30.0,
         executor: Executor | None = None,
     ) -> None:
@@ -45,7 +40,6 @@ class Follower:
         self.inbox = inbox
         self.send = send
         self.last = last
-        self.faults = faults
         self.wedge_timeout_s = wedge_timeout_s
         self.executor = executor if executor is not None else ThreadPoolExecutor(1, "forward")
         self.health = Liveness(rank=self.rank)
@@ -86,10 +80,6 @@ class Follower:
 
     async def _run_pass(self, loop: asyncio.AbstractEventLoop, decision: Decision) -> None:
         p = decision.pass_id
-        if self.faults.should_crash(p):
-            log.error("fault.crash", rank=self.rank, pass_id=p)
-            logs.flush()
-            os._exit(17)
         rows, void = self._apply(decision)
         if not self.last:
             await self.send.send(decision)
@@ -122,28 +112,17 @@ class Follower:
     async def _compute(
         self, loop: asyncio.AbstractEventLoop, decision: Decision, rows: list[Row], x: torch.Tensor
     ) -> tuple[torch.Tensor | Output | None, str | None]:
-        if self.faults.should_void(decision.pass_id):
-            return None, "injected void"
         try:
-            return await loop.run_in_executor(self.executor, self._forward, decision, rows, x), None
+            compute = self.stage.compute
+            return await loop.run_in_executor(self.executor, compute, decision, rows, x), None
         except PassFailed as exc:
             return None, str(exc)
-
-    def _forward(
-        self, decision: Decision, rows: list[Row], x: torch.Tensor
-    ) -> torch.Tensor | Output:
-        if self.faults.slow_ms:
-            time.sleep(self.faults.slow_ms / 1e3)
-        return self.stage.compute(decision, rows, x)
 
     async def _pass_on(
         self, p: int, result: torch.Tensor | Output | None, void: str | None, void_rank: int
     ) -> None:
         if void is not None:
             log.warning("pass.void", rank=self.rank, pass_id=p, void_rank=void_rank, reason=void)
-        if self.faults.should_drop(Output if self.last else Hidden, p):
-            log.warning("fault.drop", rank=self.rank, pass_id=p)
-            return
         if self.last:
             assert void is not None or isinstance(result, Output)
             await self.send.send(result if void is None else Void(p, void_rank, void))

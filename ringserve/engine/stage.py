@@ -12,6 +12,7 @@ import torch
 from ringserve import logs
 from ringserve.engine.replica import Replica, Row
 from ringserve.engine.runner import Runner
+from ringserve.ring.faults import FaultPlan
 from ringserve.ring.messages import Decision, Output
 
 log = structlog.get_logger(__name__)
@@ -24,11 +25,10 @@ class PassFailed(RuntimeError):
 class Stage:
     """Invariant: decisions are applied in pass order, each exactly once."""
 
-    def __init__(self, runner: Runner, rank: int, kv_epoch: int = 0) -> None:
+    def __init__(self, runner: Runner, rank: int) -> None:
         self.runner = runner
         self.rank = rank
         self.replica = Replica()
-        self.kv_epoch = kv_epoch
         self._trace = logs.tracing()  # asked once: a digest per pass is not free
 
     def apply(self, decision: Decision) -> list[Row]:
@@ -43,8 +43,6 @@ class Stage:
     ) -> torch.Tensor | Output:
         """Run this rank's layers; the last rank returns the pass's Output.
         Raises PassFailed when the pass cannot run here."""
-        if decision.kv_epoch != self.kv_epoch:
-            raise PassFailed(f"kv epoch {decision.kv_epoch} is not this rank's {self.kv_epoch}")
         began = time.monotonic()
         try:
             batch = self.runner.batch(decision, rows)
@@ -61,3 +59,25 @@ class Stage:
             ms=round((time.monotonic() - began) * 1e3, 3),
         )
         return out
+
+
+class FaultyStage(Stage):
+    """A stage with its rank's injected faults (`ring/faults.py`): a crash
+    when the pass is applied, a void or a delay when it is computed."""
+
+    def __init__(self, runner: Runner, rank: int, faults: FaultPlan) -> None:
+        super().__init__(runner, rank)
+        self.faults = faults
+
+    def apply(self, decision: Decision) -> list[Row]:
+        self.faults.crash_now(decision.pass_id)
+        return super().apply(decision)
+
+    def compute(
+        self, decision: Decision, rows: list[Row], hidden: torch.Tensor | None
+    ) -> torch.Tensor | Output:
+        if self.faults.should_void(decision.pass_id):
+            raise PassFailed("injected void")
+        if self.faults.slow_ms:
+            time.sleep(self.faults.slow_ms / 1e3)
+        return super().compute(decision, rows, hidden)

@@ -15,11 +15,12 @@ from ringserve.cache.pool import KVPool
 from ringserve.cache.radix import RadixCache
 from ringserve.config import EngineConfig, resolve_dtype
 from ringserve.engine.runner import Runner
-from ringserve.engine.stage import Stage
+from ringserve.engine.stage import FaultyStage, Stage
 from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.plan.audit import check_allocation
+from ringserve.ring.faults import FaultPlan
 from ringserve.sched.request import RequestFactory
 from ringserve.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -41,7 +42,8 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
     log.info("pool.allocated", rank=rank, layers=f"{layers.start}:{layers.stop}", bytes=pool.nbytes)
     runner = Runner(model, pool, device, layers, cfg.num_layers)
     check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
-    return Stage(runner, rank=rank)
+    faults = FaultPlan.from_env(rank)
+    return FaultyStage(runner, rank, faults) if faults.touches_stage else Stage(runner, rank)
 
 
 def report_loaded(stage: Stage) -> None:

@@ -20,6 +20,7 @@ from ringserve.engine.handle import RequestHandle
 from ringserve.launch.processes import RankProcesses, free_port
 from ringserve.launch.serve import build_conductor
 from ringserve.params import RequestOutput, SamplingParams
+from ringserve.ring.faults import FaultPlan
 from ringserve.ring.group import close_group, init_group
 from ringserve.ring.topology import RankSpec, announce_ready, open_links
 
@@ -86,7 +87,7 @@ class LocalRing:
         ends = None
         if spec.world > 1:
             init_group(0, spec.world, spec.master_addr, spec.master_port)
-            ends = open_links(spec)
+            ends = open_links(spec, FaultPlan.from_env(0))
         conductor = build_conductor(config, spec.world, ends)
         if ends is not None:
             await announce_ready(ends, timeout_s=300.0)

@@ -33,13 +33,12 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
     split = list(config.layer_split or ())
     stage = build_stage(config, cfg, layer_range(split, spec.rank), spec.rank)
     report_loaded(stage)
-    ends = open_links(spec)
+    ends = open_links(spec, FaultPlan.from_env(spec.rank))
     follower = Follower(
         stage,
         ends.inbox,
         ends.send,
         last=spec.last,
-        faults=FaultPlan.from_env(spec.rank),
         wedge_timeout_s=config.wedge_timeout_s,
     )
     try:

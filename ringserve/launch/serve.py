@@ -24,7 +24,7 @@ log = structlog.get_logger(__name__)
 
 def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conductor:
     """Rank 0's conductor: the whole model with no ring (`world` 1), or rank
-    0's slice of a ring whose links are open (`launch/rank.open_links`).
+    0's slice of a ring whose links are open (`ring/topology.open_links`).
     Build it on the loop that will run it."""
     cfg = ModelConfig.from_dir(config.model_dir)
     layers = range(cfg.num_layers) if world == 1 else layer_range(list(config.layer_split or ()), 0)
@@ -36,7 +36,6 @@ def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conducto
         zero.tokenizer,
         zero.new_request,
         ring=ends,
-        faults=FaultPlan.from_env(0),
         wedge_timeout_s=config.wedge_timeout_s,
         heartbeat_s=config.heartbeat_s,
     )
@@ -47,7 +46,7 @@ async def run_rank_zero(spec, config: EngineConfig, http: HttpOptions, ready_fil
     the ring down on the way out. Returns the process exit code."""
     ends = None
     if spec.world > 1:
-        ends = open_links(spec)
+        ends = open_links(spec, FaultPlan.from_env(0))
         conductor = build_conductor(config, spec.world, ends)
         report_loaded(conductor.stage)
         await announce_ready(ends, timeout_s=600.0)

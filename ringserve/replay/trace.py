@@ -5,7 +5,6 @@ directory reused by several runs is read as its latest run."""
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,12 +82,3 @@ def _read(rank: int, path: Path, notes: list[str], problems: list[Finding]) -> l
     if len(runs) > 1:
         notes.append(f"rank {rank}'s log holds {len(runs)} runs; the last one is read")
     return events[runs[-1] :] if runs else events
-
-
-def by_pass(events: list[Event]) -> dict[int, list[Event]]:
-    """Events grouped by their pass id (events without one are left out)."""
-    grouped: dict[int, list[Event]] = defaultdict(list)
-    for e in events:
-        if e.get("pass_id") is not None:
-            grouped[e["pass_id"]].append(e)
-    return grouped

@@ -9,17 +9,27 @@ comma-separated rules, each `action:key=value:...`:
 * `slow:rank=R:ms=M`   rank R sleeps M ms per forward.
 
 Every rule is validated when parsed, whichever rank it names, so a typo fails
-every rank at start-up instead of silently injecting nothing.
+every rank at start-up instead of silently injecting nothing. Faults are
+wrapped around a rank's parts, never written into its loops: `drop` around
+its send link (`FaultPlan.wrap`, `FaultySend`), the others around its stage
+(`engine/stage.FaultyStage`). A rank with no rules runs the bare parts.
 """
 
 from __future__ import annotations
 
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import structlog
+import torch
+
+from ringserve import logs
+from ringserve.ring.link import SendLink
 from ringserve.ring.messages import MESSAGE_TYPES, Message
+
+log = structlog.get_logger(__name__)
 
 ENV_VAR = "RINGSERVE_FAULTS"
 
@@ -122,7 +132,12 @@ class FaultPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.void_every or self.drops or self.crash_passes or self.slow_ms)
+        return not (self.drops or self.touches_stage)
+
+    @property
+    def touches_stage(self) -> bool:
+        """Whether any rule acts on the stage (all but drops, which act on the link)."""
+        return bool(self.void_every or self.crash_passes or self.slow_ms)
 
     def should_void(self, pass_id: int) -> bool:
         return any((pass_id + 1) % every == 0 for every in self.void_every)
@@ -132,3 +147,33 @@ class FaultPlan:
 
     def should_crash(self, pass_id: int) -> bool:
         return pass_id in self.crash_passes
+
+    def crash_now(self, pass_id: int) -> None:
+        """End the process abruptly at `pass_id` if a crash rule says so, with
+        the log flushed first (what a killed rank would leave behind)."""
+        if pass_id in self.crash_passes:
+            log.error("fault.crash", rank=self.rank, pass_id=pass_id)
+            logs.flush()
+            os._exit(17)
+
+    def wrap(self, send: SendLink) -> SendLink | FaultySend:
+        """`send` with this plan's drops applied, or `send` itself if none."""
+        return FaultySend(send, self) if self.drops else send
+
+
+class FaultySend:
+    """A send link that silently loses the messages a `drop` rule names and
+    passes every other call through to the real link."""
+
+    def __init__(self, link: SendLink, plan: FaultPlan) -> None:
+        self.link, self.plan = link, plan
+
+    async def send(self, msg: Message, tensors: Sequence[torch.Tensor] = ()) -> None:
+        pass_id = getattr(msg, "pass_id", None)
+        if pass_id is not None and self.plan.should_drop(type(msg), pass_id):
+            log.warning("fault.drop", rank=self.plan.rank, pass_id=pass_id, kind=type(msg).__name__)
+            return
+        await self.link.send(msg, tensors)
+
+    def __getattr__(self, name: str):  # close, flush, in_flight, error, peer
+        return getattr(self.link, name)

@@ -53,7 +53,6 @@ class Entry(msgspec.Struct, frozen=True):
 class Decision(msgspec.Struct, frozen=True, tag="decision"):
     pass_id: int
     mb_slot: int
-    kv_epoch: int
     new_requests: list[NewRequest]
     entries: list[Entry]
     dropped: list[int]
@@ -98,7 +97,6 @@ class Void(msgspec.Struct, frozen=True, tag="void"):
 class ControlKind(enum.StrEnum):
     SHUTDOWN = "shutdown"
     HEARTBEAT = "heartbeat"
-    KV_EPOCH = "kv_epoch"
     READY = "ready"
 
 
@@ -106,7 +104,6 @@ class Control(msgspec.Struct, frozen=True, tag="control"):
     kind: ControlKind
     seq: int = 0
     rank: int = 0
-    epoch: int = 0
     reason: str = ""
 
 

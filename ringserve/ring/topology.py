@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from ringserve.ring.faults import FaultPlan, FaultySend
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.link import RecvLink, SendLink
 from ringserve.ring.messages import Control, ControlKind
@@ -41,18 +42,18 @@ class RingEnds:
     its predecessor, and the inbox that link feeds."""
 
     inbox: Inbox
-    send: SendLink
+    send: SendLink | FaultySend
     recv: RecvLink
     last_rank: int
 
 
-def open_links(spec: RankSpec) -> RingEnds:
-    """This rank's two links, each on the tag of its sending rank. Call on
-    the rank's event loop."""
+def open_links(spec: RankSpec, faults: FaultPlan) -> RingEnds:
+    """This rank's two links, each on the tag of its sending rank, with the
+    rank's link faults applied. Call on the rank's event loop."""
     inbox = Inbox()
     recv = RecvLink(spec.prev, spec.prev, inbox)
     send = SendLink(spec.next, spec.rank, MAX_IN_FLIGHT, inbox=inbox)
-    return RingEnds(inbox, send, recv, spec.world - 1)
+    return RingEnds(inbox, faults.wrap(send), recv, spec.world - 1)
 
 
 async def announce_ready(ends: RingEnds, timeout_s: float) -> None:

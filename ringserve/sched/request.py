@@ -49,10 +49,6 @@ class Request:
         return self.prompt + self.output
 
     @property
-    def kv_len(self) -> int:
-        return len(self.row)
-
-    @property
     def pending(self) -> int:
         """Tokens still to be fed through the model before the next sample."""
         return len(self.prompt) + len(self.output) - len(self.row)
@@ -60,11 +56,6 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return len(self.row) < len(self.prompt)
-
-    @property
-    def step(self) -> int:
-        """Index of the token the next sample produces (for seeded noise)."""
-        return len(self.output)
 
     def stop_reason(self, max_model_len: int) -> str | None:
         """Why the request must stop after its newest token, if it must."""

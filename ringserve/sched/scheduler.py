@@ -97,7 +97,6 @@ class Scheduler:
         self.in_flight: dict[int, _Pass] = {}
         self.next_pass_id = 0
         self._next_slot = 0
-        self.kv_epoch = 0
         self._to_drop: list[int] = []
         self.voids = 0
         self.fallbacks = 0
@@ -166,7 +165,6 @@ class Scheduler:
         decision = Decision(
             pass_id=self.next_pass_id,
             mb_slot=draft.slot,
-            kv_epoch=self.kv_epoch,
             new_requests=draft.admitted,
             entries=draft.entries,
             dropped=self._to_drop,
