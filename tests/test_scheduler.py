@@ -257,3 +257,24 @@ def test_requests_are_shared_between_micro_batch_slots(factory):
     sched.on_output(oracle(d0))
     sched.on_output(oracle(d2))
     run_all(sched)
+
+
+def test_a_fat_pass_gives_its_surplus_to_the_next_one(factory):
+    """When every request of one pass finishes, the survivors are split over
+    both slots instead of running as one fat pass beside an empty one."""
+    sched = make(passes_in_flight=2)
+    short = [submit(sched, factory, [i, 50 + i], max_tokens=1) for i in range(4)]
+    long = [submit(sched, factory, [i, 70 + i], max_tokens=9) for i in range(4)]
+    d0, d1 = sched.schedule(), sched.schedule()
+    assert {e.req_id for e in d0.entries} == {r.req_id for r in short}
+    sched.on_output(oracle(d0))  # every short request is done
+    assert sched.schedule() is None  # the long ones are all in flight
+    sched.on_output(oracle(d1))
+    d2, d3 = sched.schedule(), sched.schedule()
+    assert len(d2.entries) == len(d3.entries) == 2
+    assert {d2.mb_slot, d3.mb_slot} == {0, 1}
+    sched.on_output(oracle(d2))
+    sched.on_output(oracle(d3))
+    sizes = [len(d.entries) for d in run_all(sched)]
+    assert max(sizes) <= 2, sizes
+    assert all(len(r.output) == 9 for r in long)

@@ -37,7 +37,6 @@ class Request:
     private: set[int] = field(default_factory=set)
     cached_tokens: int = 0
     in_flight: bool = False
-    mb_slot: int = 0
     retries: int = 0
     finish_reason: str | None = None
     abort_reason: str | None = None

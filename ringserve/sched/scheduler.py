@@ -73,6 +73,7 @@ class _Draft:
 
     budget: int
     slot: int = 0
+    share: int = 1  # requests this pass may carry: an equal share of the live ones
     entries: list[Entry] = field(default_factory=list)
     reqs: list[Request] = field(default_factory=list)
     admitted: list[NewRequest] = field(default_factory=list)
@@ -142,9 +143,12 @@ class Scheduler:
     # ---- deciding a pass -----------------------------------------------------
 
     def schedule(self) -> Decision | None:
-        """Decide the next pass, or None when nothing can run now. Each
-        running request belongs to one micro-batch slot; a slot has at most
-        one pass in flight, so up to S passes keep every stage busy."""
+        """Decide the next pass, or None when nothing can run now. A slot has
+        at most one pass in flight, so up to S passes keep every stage busy.
+        A pass takes idle requests (their previous pass has returned) up to
+        an equal share of the live requests, so no pass runs fat behind a
+        thin one: a request owns no slot, and the surplus of a fat pass
+        rides in the next one."""
         if len(self.in_flight) >= self.config.passes_in_flight:
             return None
         busy = {p.decision.mb_slot for p in self.in_flight.values()}
@@ -153,7 +157,7 @@ class Scheduler:
             slot = (self._next_slot + k) % slots
             if slot in busy:
                 continue
-            draft = _Draft(budget=self.config.max_tokens_per_pass, slot=slot)
+            draft = _Draft(budget=self.config.max_tokens_per_pass, slot=slot, share=self._share())
             self._extend_running(draft)
             self._admit_waiting(draft)
             if draft.entries:
@@ -176,14 +180,19 @@ class Scheduler:
             req.in_flight = True
         return decision
 
+    def _share(self) -> int:
+        live = len(self.running) + len(self.waiting)
+        return -(-live // self.config.passes_in_flight)
+
     def _room(self, draft: _Draft) -> bool:
-        return draft.budget > 0 and len(draft.entries) < self.config.max_batch
+        rows = min(self.config.max_batch, draft.share)
+        return draft.budget > 0 and len(draft.entries) < rows
 
     def _extend_running(self, draft: _Draft) -> None:
         for req in list(self.running):
             if not self._room(draft):
                 return
-            if req.in_flight or req.phase is not Phase.RUNNING or req.mb_slot != draft.slot:
+            if req.in_flight or req.phase is not Phase.RUNNING:
                 continue
             n = min(req.pending, self.config.chunk_size, draft.budget)
             slots = self._alloc(n, draft, asker=req)
@@ -191,9 +200,7 @@ class Scheduler:
                 self._add_entry(draft, req, slots, reuse=None)
 
     def _admit_waiting(self, draft: _Draft) -> None:
-        share = -(-(len(self.running) + len(self.waiting)) // self.config.passes_in_flight)
-        members = sum(1 for r in self.running if r.mb_slot == draft.slot)
-        while self.waiting and self._room(draft) and members < share:
+        while self.waiting and self._room(draft):
             req = self.waiting[0]
             reuse, node = self.kv.match(req)
             if self._prefix_pending(req, len(reuse)):
@@ -207,8 +214,6 @@ class Scheduler:
                 log.info("request.parked", req=req.req_id, needs=n)
                 return
             self.waiting.popleft()
-            members += 1
-            req.mb_slot = draft.slot
             req.phase, req.node, req.row = Phase.RUNNING, node, list(reuse)
             req.cached_tokens = max(req.cached_tokens, len(reuse))
             self.running.append(req)
