@@ -24,6 +24,10 @@ class KVBook:
         self.cache = cache
         self.prefix_reuse = prefix_reuse
 
+    @property
+    def available(self) -> int:
+        return self.allocator.available
+
     def match(self, req: Request) -> tuple[list[int], RadixNode]:
         """Longest cached prefix, leaving at least one token to compute."""
         probe = req.tokens[:-1] if self.prefix_reuse else []
@@ -42,6 +46,23 @@ class KVBook:
             return self.allocator.alloc(n)
         except OutOfSlots:
             return None
+
+    def borrow(self, req: Request, node: RadixNode) -> None:
+        """Lock the cached prefix ending at `node` for the request."""
+        self.cache.lock(node)
+        req.node = node
+
+    def give_back(self, req: Request) -> None:
+        """Unlock the prefix the request borrowed and never used."""
+        self.cache.unlock(req.node)
+        req.node = None
+
+    def roll_back(self, req: Request, start: int, slots: list[int]) -> None:
+        """Undo a voided pass's extension of the request's row: cut the row
+        back to `start` and free the `slots` the pass took."""
+        del req.row[start:]
+        self.allocator.free(slots)
+        req.private.difference_update(slots)
 
     def insert(self, req: Request) -> None:
         """Hand the request's confirmed KV to the radix cache and lock it."""
