@@ -132,8 +132,8 @@ class Follower:
     def _forward(
         self, decision: Decision, rows: list[Row], x: torch.Tensor
     ) -> torch.Tensor | Output:
-        if self.faults.slow_ms:
-            time.sleep(self.faults.slow_ms / 1e3)
+        if delay := self.faults.slow_s(len(self.stage.runner.layers)):
+            time.sleep(delay)
         return self.stage.compute(decision, rows, x)
 
     async def _pass_on(
