@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from ringserve.config import EngineConfig
+from ringserve.config import PLAN_FOR, EngineConfig
 
 
 def _defaults() -> dict[str, object]:
@@ -19,17 +19,46 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options; their defaults are `EngineConfig`'s (an option left
     out is not passed on)."""
     d = _defaults()
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in model)")
+    p.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: built-in model)"
+    )
     p.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
-    p.add_argument("--rank-memory-mib", default=None, help="memory budget per rank, e.g. 28000,9000,9000")
-    p.add_argument("--layer-split", default=None, help="layers per rank, e.g. 3,5,4 (default: even)")
+    p.add_argument(
+        "--rank-memory-mib", default=None, help="memory budget per rank, e.g. 28000,9000,9000"
+    )
+    p.add_argument(
+        "--layer-split", default=None, help="layers per rank, e.g. 3,5,4 (default: even)"
+    )
+    p.add_argument(
+        "--rank-speed",
+        default=None,
+        help="speed per layer of each rank relative to 1.0, e.g. 1,1,0.5 (default: equal)",
+    )
+    p.add_argument(
+        "--plan-for", choices=PLAN_FOR, help=f"what the planner maximises (default {d['plan_for']})"
+    )
+    p.add_argument(
+        "--min-kv-tokens", type=int, help="refuse a plan whose KV capacity is below this"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], help=f"default {d['dtype']}")
     p.add_argument("--max-model-len", type=int, help="default: the model's")
-    p.add_argument("--kv-capacity-tokens", type=int, help=f"KV slots per rank without a plan (default {d['kv_capacity_tokens']})")
+    p.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        help=f"KV slots per rank without a plan (default {d['kv_capacity_tokens']})",
+    )
     p.add_argument("--max-tokens-per-pass", type=int, help=f"default {d['max_tokens_per_pass']}")
-    p.add_argument("--chunk-size", type=int, help=f"prefill chunk per request per pass (default {d['chunk_size']})")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        help=f"prefill chunk per request per pass (default {d['chunk_size']})",
+    )
     p.add_argument("--max-batch", type=int, help=f"requests per pass (default {d['max_batch']})")
-    p.add_argument("--passes-in-flight", type=int, help="micro-batches in flight (default: the number of ranks)")
+    p.add_argument(
+        "--passes-in-flight",
+        type=int,
+        help="micro-batches in flight (default: the number of ranks)",
+    )
     p.add_argument("--no-prefix-reuse", action="store_true")
     p.add_argument("--wedge-timeout-s", type=float, help=f"default {d['wedge_timeout_s']}")
     p.add_argument("--heartbeat-s", type=float, help=f"default {d['heartbeat_s']}")
@@ -37,7 +66,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 _PASSED_ON = (
     "dtype", "max_model_len", "kv_capacity_tokens", "max_tokens_per_pass", "chunk_size",
-    "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s",
+    "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s", "plan_for", "min_kv_tokens",
 )  # fmt: skip
 
 
@@ -47,6 +76,8 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     model = Path(args.model) if args.model else builtin_model_dir()
     split = tuple(int(x) for x in args.layer_split.split(",")) if args.layer_split else None
     given = {k: getattr(args, k) for k in _PASSED_ON if getattr(args, k) is not None}
+    if args.rank_speed:
+        given["rank_speed"] = tuple(float(x) for x in args.rank_speed.split(","))
     return EngineConfig(
         model_dir=model, prefix_reuse=not args.no_prefix_reuse, layer_split=split, **given
     )
@@ -63,8 +94,12 @@ def _launch(args: argparse.Namespace) -> int:
     config, plan = size_ring(_config(args), args.pp, args.rank_memory_mib)
     if plan is not None:
         say("memory plan\n" + plan.table())
-    node = NodeSpec(args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port())
-    http = HttpOptions(host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name)
+    node = NodeSpec(
+        args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port()
+    )
+    http = HttpOptions(
+        host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name
+    )
     return launch(node, config, http, args.log_dir)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 SERVING_DTYPES = ("bfloat16", "float32")
+PLAN_FOR = ("capacity", "throughput", "balanced")  # what the planner optimises (plan/objective.py)
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
@@ -45,9 +46,21 @@ class EngineConfig:
     layer_split: tuple[int, ...] | None = field(default=None)
     torch_threads: int | None = None
     passes_in_flight: int | None = None  # micro-batch slots S; default: the number of ranks
+    plan_for: str = "balanced"
+    rank_speed: tuple[float, ...] | None = None  # per layer, relative; None: all equal
+    min_kv_tokens: int | None = None  # the planner refuses a capacity below this
     plan: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.plan_for not in PLAN_FOR:
+            raise ValueError(f"plan_for must be one of {list(PLAN_FOR)}, not {self.plan_for!r}")
+        if self.rank_speed is not None:
+            speeds = tuple(float(s) for s in self.rank_speed)
+            if not speeds or not all(s > 0 for s in speeds):
+                raise ValueError(f"rank_speed must be positive factors, got {list(speeds)}")
+            object.__setattr__(self, "rank_speed", speeds)  # a list given to LLM(...) too
+        if self.min_kv_tokens is not None and self.min_kv_tokens < 2:
+            raise ValueError("min_kv_tokens must be >= 2")
         if self.kv_capacity_tokens < 2:
             raise ValueError("kv_capacity_tokens must be >= 2")
         if self.wedge_timeout_s <= 0 or self.heartbeat_s <= 0:

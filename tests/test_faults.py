@@ -77,6 +77,9 @@ def test_plan_is_frozen() -> None:
         ("void:rank=-1:every=3", "rank must be at least 0, got -1"),
         ("void:rank=1:every=0", "every must be at least 1, got 0"),
         ("slow:rank=1:ms=-5", "ms must be at least 0, got -5"),
+        ("slow:rank=1", "missing ms or ms_per_layer"),
+        ("slow:rank=1:ms=2:ms_per_layer=3", "missing ms or ms_per_layer"),
+        ("slow:rank=1:ms_per_layer=-1", "ms_per_layer must be at least 0, got -1"),
         ("drop:rank=1:kind=logits:pass=2", "kind must be one of decision, hidden, output"),
     ],
 )
@@ -95,3 +98,13 @@ def test_bad_rule_for_another_rank_still_fails_every_rank() -> None:
 def test_two_slow_rules_for_one_rank_are_refused() -> None:
     with pytest.raises(ValueError, match="give rank 1 2 slow rules; give it one"):
         FaultPlan.parse("slow:rank=1:ms=5,slow:rank=1:ms=9", rank=1)
+
+
+def test_slow_per_layer_sleeps_in_proportion_to_the_layers_held() -> None:
+    plan = FaultPlan.parse("slow:rank=1:ms_per_layer=4", rank=1)
+    assert not plan.empty and plan.slow_ms == 0
+    assert plan.slow_s(3) == pytest.approx(0.012)
+    assert plan.slow_s(1) == pytest.approx(0.004)
+    flat = FaultPlan.parse("slow:rank=1:ms=25", rank=1)
+    assert flat.slow_s(1) == flat.slow_s(7) == pytest.approx(0.025)
+    assert FaultPlan.parse("", rank=1).slow_s(5) == 0

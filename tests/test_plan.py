@@ -155,7 +155,8 @@ def test_ledger_adds_up_and_table_shows_provenance():
     table = result.table()
     assert "given" in table and "config" in table and "measured" in table
     assert f"T = {result.capacity_tokens} tokens" in table
-    assert len(table.splitlines()) == 3 + 5
+    assert len(table.splitlines()) == 3 + 6
+    assert table.splitlines()[-1].startswith("bottleneck: rank 0, 30.00 layer-times per pass")
     as_dict = json.loads(json.dumps(result.to_dict()))
     assert as_dict["layer_split"] == list(result.layer_split)
     assert [r["headroom"] for r in as_dict["ranks"]] == [e.headroom for e in result.ledger]

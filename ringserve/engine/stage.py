@@ -78,6 +78,6 @@ class FaultyStage(Stage):
     ) -> torch.Tensor | Output:
         if self.faults.should_void(decision.pass_id):
             raise PassFailed("injected void")
-        if self.faults.slow_ms:
-            time.sleep(self.faults.slow_ms / 1e3)
+        if delay := self.faults.slow_s(len(self.runner.layers)):
+            time.sleep(delay)
         return super().compute(decision, rows, hidden)

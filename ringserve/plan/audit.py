@@ -1,9 +1,13 @@
 """Each rank's boot-time audit: what it allocated, and the activation peak it
 measured with a dry forward, against its ledger row (DESIGN §5: no
-allocation made after the plan may be missing from it)."""
+allocation made after the plan may be missing from it). The dry forward is
+timed too: its ms per layer is logged beside the speed the plan assumed, a
+report against the prediction, not an input to it (planning is done before
+any rank starts). Injected `slow` faults are not in it: they act on passes."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,19 @@ def measure_activations(runner: Runner, tokens: int, rows: int) -> int:
     return max(0, _status_kib("VmHWM") - before) * 1024
 
 
+def measure_ms_per_layer(runner: Runner, tokens: int, rows: int) -> float:
+    """Wall time of one dry forward at the largest pass (the first has
+    already run, so no warm-up is in it), per layer this rank holds; on the
+    last rank it includes the logits."""
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    start = time.perf_counter()
+    runner.dry_run(tokens, rows)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return (time.perf_counter() - start) * 1e3 / len(runner.layers)
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -52,9 +69,17 @@ def check_allocation(
         log.warning("plan.activations_unmeasured", rank=rank, reason=str(exc))
         activations = None
     if plan_dict is None:
-        log.info("plan.allocated", rank=rank, weights=weights, kv=kv_bytes, activations=activations, planned=False)
+        log.info(
+            "plan.allocated",
+            rank=rank,
+            weights=weights,
+            kv=kv_bytes,
+            activations=activations,
+            planned=False,
+        )
         return
     row = plan_dict["ranks"][rank]
+    _report_speed(row, rank, measure_ms_per_layer(runner, tokens, rows))
     planned = {k: row[k]["bytes"] for k in ("weights", "kv", "activations")}
     actual = {"weights": weights, "kv": kv_bytes}
     if activations is not None:
@@ -62,4 +87,21 @@ def check_allocation(
     log.info("plan.allocated", rank=rank, planned=planned, actual=actual)
     for part, nbytes in actual.items():
         if nbytes > planned[part]:
-            log.warning("plan.unforeseen", rank=rank, part=part, planned=planned[part], actual=nbytes)
+            log.warning(
+                "plan.unforeseen", rank=rank, part=part, planned=planned[part], actual=nbytes
+            )
+
+
+def _report_speed(row: dict[str, Any], rank: int, ms_per_layer: float) -> None:
+    """`reference_ms_per_layer` is the measured time scaled by the planned
+    speed: where the speeds given were right, every rank logs about the
+    same figure, and its stage takes stage_time of them."""
+    log.info(
+        "plan.speed",
+        rank=rank,
+        layers=row["layers"][1] - row["layers"][0],
+        ms_per_layer=round(ms_per_layer, 3),
+        planned_speed=row["speed"],
+        planned_stage_time=row["stage_time"],
+        reference_ms_per_layer=round(ms_per_layer * row["speed"], 3),
+    )

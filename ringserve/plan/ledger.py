@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from ringserve.config import PLAN_FOR
 from ringserve.models.config import _DTYPE_BYTES, ModelConfig
 
 log = structlog.get_logger(__name__)
@@ -133,8 +134,12 @@ def _mem_available() -> int:
 
 @dataclass(frozen=True, slots=True)
 class RankLedger:
-    """What one rank must hold. Invariant of a valid plan: headroom >= 0,
-    where headroom = budget - weights - kv - activations exactly."""
+    """What one rank must hold, and how long its stage takes. Invariant of a
+    valid plan: headroom >= 0, where headroom = budget - weights - kv -
+    activations exactly. `speed` is the rank's planned speed per layer
+    relative to the reference (2.0: twice as fast); its predicted stage time
+    per pass is layers / speed, in reference-layer times (embeddings, head
+    and sampling are not timed: they are small beside the layers)."""
 
     rank: int
     layers: range
@@ -142,6 +147,15 @@ class RankLedger:
     weights: Figure
     kv: Figure
     activations: Figure
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.speed > 0:
+            raise ValueError(f"rank {self.rank}: speed must be positive, got {self.speed}")
+
+    @property
+    def stage_time(self) -> float:
+        return len(self.layers) / self.speed
 
     @property
     def needs(self) -> int:
@@ -160,6 +174,8 @@ class RankLedger:
             "kv": self.kv.to_dict(),
             "activations": self.activations.to_dict(),
             "headroom": self.headroom,
+            "speed": self.speed,
+            "stage_time": self.stage_time,
         }
 
 
@@ -199,23 +215,45 @@ class Plan:
     """A solved plan. Invariants: layer_split has one entry >= 1 per rank and
     the ledger's layer ranges tile the model in order; every rank's KV pool
     holds capacity_tokens (a multiple of page_size; like KVPool.capacity it
-    counts the padding slot 0); every headroom >= 0."""
+    counts the padding slot 0); every headroom >= 0. `plan_for` is the
+    objective it was solved for (PLAN_FOR)."""
 
     layer_split: tuple[int, ...]
     capacity_tokens: int
     page_size: int
     ledger: tuple[RankLedger, ...]
+    plan_for: str = "capacity"
+
+    def __post_init__(self) -> None:
+        if self.plan_for not in PLAN_FOR:
+            raise ValueError(f"plan_for must be one of {list(PLAN_FOR)}, not {self.plan_for!r}")
 
     @property
     def num_layers(self) -> int:
         return sum(self.layer_split)
+
+    @property
+    def bottleneck(self) -> RankLedger:
+        """The rank whose stage is slowest (the first of equals): it sets
+        the ring's pace, one pass per its stage time."""
+        return max(self.ledger, key=lambda e: e.stage_time)
 
     def layers_of(self, rank: int) -> range:
         return self.ledger[rank].layers
 
     def table(self) -> str:
         """One row per rank, figures in MiB with their provenance, then totals."""
-        head = ("rank", "layers", "budget", "weights", "KV", "activations", "headroom")
+        head = (
+            "rank",
+            "layers",
+            "budget",
+            "weights",
+            "KV",
+            "activations",
+            "headroom",
+            "speed",
+            "stage",
+        )
         rows = [head] + [self._row(e) for e in self.ledger] + [self._totals()]
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = [
@@ -228,6 +266,11 @@ class Plan:
             f"(page {self.page_size}, {self.capacity_tokens // self.page_size} pages); "
             f"figures in MiB"
         )
+        slow = self.bottleneck
+        lines.append(
+            f"bottleneck: rank {slow.rank}, {slow.stage_time:.2f} layer-times per pass "
+            f"({len(slow.layers)} layers at speed {slow.speed:g}); planned for {self.plan_for}"
+        )
         return "\n".join(lines)
 
     @staticmethod
@@ -239,12 +282,15 @@ class Plan:
             span,
             *(f"{_mib(f.bytes)} {f.source}" for f in cells),
             _mib(e.headroom),
+            f"{e.speed:g}",
+            f"{e.stage_time:.2f}",
         )
 
     def _totals(self) -> tuple[str, ...]:
         sums = [sum(getattr(e, k).bytes for e in self.ledger) for k in _COMPONENTS]
         room = sum(e.headroom for e in self.ledger)
-        return ("all", f"{self.num_layers}", *(_mib(s) for s in sums), _mib(room))
+        pace = f"{self.bottleneck.stage_time:.2f}"
+        return ("all", f"{self.num_layers}", *(_mib(s) for s in sums), _mib(room), "", pace)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form, for the `plan.solved` log event and GET /v1/plan."""
@@ -252,9 +298,13 @@ class Plan:
             "layer_split": list(self.layer_split),
             "capacity_tokens": self.capacity_tokens,
             "page_size": self.page_size,
+            "plan_for": self.plan_for,
+            "bottleneck": self.bottleneck.rank,
             "ranks": [e.to_dict() for e in self.ledger],
             "totals": {k: sum(getattr(e, k).bytes for e in self.ledger) for k in _COMPONENTS},
         }
 
 
 _COMPONENTS = ("budget", "weights", "kv", "activations")
+
+BALANCED_PERCENT = 5  # balanced plans give up at most this share of the largest T

@@ -9,7 +9,7 @@ import structlog
 
 from ringserve.config import EngineConfig, resolve_dtype
 from ringserve.models.config import ModelConfig
-from ringserve.plan.solve import Plan, plan
+from ringserve.plan.solve import Objective, Plan, plan
 
 log = structlog.get_logger(__name__)
 
@@ -22,13 +22,19 @@ def size_ring(
     split are given, from each rank's default budget (free device memory on
     CUDA, a share of available RAM on the CPU) with the capacity capped at
     `kv_capacity_tokens`, so a roomy machine does not reserve more KV than
-    the server is configured for. A given split is used as it is."""
+    the server is configured for. The split trades capacity for a faster
+    slowest stage as `plan_for` says, with `rank_speed` the planned speeds.
+    A given split is used as it is."""
     cfg = ModelConfig.from_dir(config.model_dir)
     if config.layer_split is not None:
         if rank_memory_mib is not None:
-            raise ValueError("give rank memory budgets or a layer split, not both: the planner picks the split")
+            raise ValueError(
+                "give rank memory budgets or a layer split, not both: the planner picks the split"
+            )
         check_split(config.layer_split, pp_size, cfg.num_layers)
         return config, None
+    if config.rank_speed is not None and len(config.rank_speed) != pp_size:
+        raise ValueError(f"{len(config.rank_speed)} rank speeds for pp_size {pp_size}")
     cap = None if rank_memory_mib is not None else config.kv_capacity_tokens
     solved = plan(
         config.model_dir,
@@ -38,6 +44,7 @@ def size_ring(
         max_num_seqs=config.max_batch,
         dtype=resolve_dtype(config.dtype, cfg.torch_dtype),
         max_capacity_tokens=cap,
+        objective=Objective(config.plan_for, config.rank_speed, config.min_kv_tokens),
     )
     sized = replace(
         config,
@@ -54,5 +61,3 @@ def check_split(split: tuple[int, ...] | list[int], pp_size: int, num_layers: in
             f"layer_split {list(split)} must give {pp_size} ranks >= 1 layer each, "
             f"{num_layers} layers in all"
         )
-
-

@@ -6,7 +6,9 @@ comma-separated rules, each `action:key=value:...`:
 * `drop:rank=R:kind=hidden:pass=P`   rank R does not send that message
   (`kind` is a message tag: decision, hidden, output, void, control);
 * `crash:rank=R:pass=P`   rank R exits abruptly (os._exit) at pass P;
-* `slow:rank=R:ms=M`   rank R sleeps M ms per forward.
+* `slow:rank=R:ms=M`   rank R sleeps M ms per forward;
+* `slow:rank=R:ms_per_layer=M`   rank R sleeps M ms per layer it holds per
+  forward, so it looks M ms per layer slower (the planner's speeds).
 
 Every rule is validated when parsed, whichever rank it names, so a typo fails
 every rank at start-up instead of silently injecting nothing. Faults are
@@ -37,9 +39,10 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "void": ("rank", "every"),
     "drop": ("rank", "kind", "pass"),
     "crash": ("rank", "pass"),
-    "slow": ("rank", "ms"),
+    "slow": ("rank", "ms", "ms_per_layer"),
 }
-_MINIMUM = {"rank": 0, "every": 1, "pass": 0, "ms": 0}
+_ONE_OF = {"slow": ("ms", "ms_per_layer")}  # exactly one of these, not all
+_MINIMUM = {"rank": 0, "every": 1, "pass": 0, "ms": 0, "ms_per_layer": 0}
 _KINDS: dict[str, type[Message]] = {t.__struct_config__.tag: t for t in MESSAGE_TYPES}
 
 
@@ -74,7 +77,10 @@ def _parse_rule(text: str) -> FaultRule:
                 f"fault rule {text!r}: bad field {pair!r} (a {action} rule takes {allowed}, once each)"
             )
         values[key] = value
-    missing = [key for key in _KEYS[action] if key not in values]
+    either = _ONE_OF.get(action, ())
+    missing = [key for key in _KEYS[action] if key not in values and key not in either]
+    if either and sum(key in values for key in either) != 1:
+        missing.append(" or ".join(either))
     if missing:
         raise ValueError(f"fault rule {text!r}: missing {', '.join(missing)}")
     kind = None
@@ -109,12 +115,13 @@ class FaultPlan:
     drops: frozenset[tuple[type[Message], int]] = field(default_factory=frozenset)
     crash_passes: frozenset[int] = field(default_factory=frozenset)
     slow_ms: int = 0
+    slow_ms_per_layer: int = 0
 
     @classmethod
     def parse(cls, spec: str, rank: int) -> FaultPlan:
         """The plan of `rank` from a `RINGSERVE_FAULTS` value."""
         mine = [rule for rule in parse_rules(spec) if rule.rank == rank]
-        slow = [rule.fields["ms"] for rule in mine if rule.action == "slow"]
+        slow = [rule.fields for rule in mine if rule.action == "slow"]
         if len(slow) > 1:
             raise ValueError(f"fault rules give rank {rank} {len(slow)} slow rules; give it one")
         return cls(
@@ -122,7 +129,8 @@ class FaultPlan:
             void_every=frozenset(r.fields["every"] for r in mine if r.action == "void"),
             drops=frozenset((r.kind, r.fields["pass"]) for r in mine if r.action == "drop"),
             crash_passes=frozenset(r.fields["pass"] for r in mine if r.action == "crash"),
-            slow_ms=slow[0] if slow else 0,
+            slow_ms=slow[0].get("ms", 0) if slow else 0,
+            slow_ms_per_layer=slow[0].get("ms_per_layer", 0) if slow else 0,
         )
 
     @classmethod
@@ -137,7 +145,11 @@ class FaultPlan:
     @property
     def touches_stage(self) -> bool:
         """Whether any rule acts on the stage (all but drops, which act on the link)."""
-        return bool(self.void_every or self.crash_passes or self.slow_ms)
+        return bool(self.void_every or self.crash_passes or self.slow_ms or self.slow_ms_per_layer)
+
+    def slow_s(self, layers: int) -> float:
+        """Seconds a forward over `layers` layers sleeps (0: no slow rule)."""
+        return (self.slow_ms + self.slow_ms_per_layer * layers) / 1e3
 
     def should_void(self, pass_id: int) -> bool:
         return any((pass_id + 1) % every == 0 for every in self.void_every)
