@@ -10,6 +10,7 @@ from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.radix import RadixCache
 from ringserve.config import EngineConfig
 from ringserve.engine.conductor import Conductor
+from ringserve.engine.desk import RequestDesk
 from ringserve.params import SamplingParams
 from ringserve.ring.errors import LinkError
 from ringserve.ring.inbox import Inbox
@@ -34,7 +35,8 @@ def two_passes_in_flight() -> tuple[Scheduler, list]:
 
 def conductor_of(sched: Scheduler, inbox: Inbox) -> Conductor:
     ends = RingEnds(inbox, None, None, last_rank=2)
-    return Conductor(sched, None, None, RequestFactory(frozenset()), ring=ends)
+    desk = RequestDesk(sched, None, RequestFactory(frozenset()), vocab_size=97)
+    return Conductor(sched, None, desk, ring=ends)
 
 
 async def run_terminals(conductor: Conductor) -> BaseException | None:

@@ -10,23 +10,22 @@ per pass from the last rank. With one rank the pass ends locally.
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import structlog
 
 from ringserve import logs
+from ringserve.engine.desk import RequestDesk
 from ringserve.engine.handle import RequestHandle
+from ringserve.engine.heartbeat import Heartbeat
 from ringserve.engine.metrics import Metrics
 from ringserve.engine.stage import PassFailed, Stage
-from ringserve.engine.textstream import TextStream
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import SamplingParams
 from ringserve.ring.errors import LinkError
-from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
+from ringserve.ring.messages import Decision, Hidden, Output, Void
 from ringserve.ring.topology import RingEnds
 from ringserve.ring.watchdog import Liveness, Owed, watched
-from ringserve.sched.request import Request, RequestFactory
 from ringserve.sched.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
@@ -40,8 +39,7 @@ class Conductor:
         self,
         scheduler: Scheduler,
         stage: Stage,
-        tokenizer: Tokenizer | None,
-        new_request: RequestFactory,
+        desk: RequestDesk,
         *,
         ring: RingEnds | None = None,
         wedge_timeout_s: float = 30.0,
@@ -50,15 +48,12 @@ class Conductor:
     ) -> None:
         self.scheduler = scheduler
         self.stage = stage
-        self.tokenizer = tokenizer
-        self.new_request = new_request
+        self.desk = desk
         self.ring = ring
         self.wedge_timeout_s = wedge_timeout_s
         self.heartbeat_s = heartbeat_s
         self.executor = executor if executor is not None else ThreadPoolExecutor(1, "forward")
         self.health = Liveness(rank=0)
-        self.metrics = Metrics()
-        self.handles: dict[int, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._launched = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -68,11 +63,25 @@ class Conductor:
             "scheduler.config",
             config=scheduler.config,
             kv_capacity=scheduler.allocator.capacity,
-            eos_ids=sorted(new_request.eos_ids),
+            eos_ids=sorted(desk.new_request.eos_ids),
             world=1 if ring is None else ring.last_rank + 1,
         )
 
-    # ---- the caller's side ---------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.desk.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.desk.vocab_size
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.desk.metrics
+
+    @property
+    def handles(self) -> dict[int, RequestHandle]:
+        return self.desk.handles
 
     def counters(self) -> dict[str, tuple[float, str]]:
         """Counters kept where the events happen, for /metrics."""
@@ -82,10 +91,6 @@ class Conductor:
             "wedge_suspicions_total": (self.health.suspicions, "waits that exceeded the wedge timeout"),
         }
 
-    @property
-    def vocab_size(self) -> int:
-        return self.stage.runner.model.cfg.vocab_size
-
     def submit(
         self, prompt: list[int], params: SamplingParams, stream_text: bool = True
     ) -> RequestHandle:
@@ -94,40 +99,22 @@ class Conductor:
         the deltas' text)."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:  # it would fail the whole pass it rides in, others too
-            raise ValueError(f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens")
-        req = self.new_request(prompt, params)
-        self.scheduler.add(req)
-        if self._trace:  # what a re-run of the scheduler needs (ringserve replay)
-            log.debug(
-                "request.arrival",
-                req_id=req.req_id,
-                prompt=req.prompt,
-                params=params,
-                seed=req.spec.seed,
-            )
-        handle = RequestHandle(req, TextStream(self.tokenizer, params.stop, stream_text))
-        self.handles[req.req_id] = handle
-        self.metrics.requests_total += 1
-        self.metrics.prompt_tokens += len(prompt)
+        handle = self.desk.submit(prompt, params, stream_text)
         self._wake.set()
         return handle
 
     def abort(self, req_id: int, reason: str = "abort") -> None:
-        self.scheduler.abort(req_id, reason)
-        self._deliver(
-            [self.scheduler.requests[req_id]] if req_id in self.scheduler.requests else []
-        )
+        self.desk.abort(req_id, reason)
         self._wake.set()
-
-    # ---- running -------------------------------------------------------------
 
     async def run(self) -> None:
         """Run until the ring fails or the task is cancelled."""
         jobs = [self._pump()]
         if self.ring is not None:
-            jobs += [self._terminals(), self._heartbeats()]
+            beat = Heartbeat(
+                self.ring, self.scheduler, self.heartbeat_s, self.wedge_timeout_s, self.health
+            )
+            jobs += [self._terminals(), beat.run()]
         self._tasks = [asyncio.create_task(j) for j in jobs]
         try:
             await asyncio.gather(*self._tasks)
@@ -212,58 +199,8 @@ class Conductor:
         else:
             touched = self.scheduler.on_void(msg)
         self.health.mark_progress()
-        self._deliver(touched)
+        self.desk.deliver(touched)
         self._wake.set()
-
-    def _deliver(self, touched: list[Request]) -> None:
-        now = time.monotonic()
-        for req in touched:
-            handle = self.handles.get(req.req_id)
-            if handle is None or handle.done:
-                continue
-            delta = handle.advance(self.scheduler)
-            if delta is None:
-                continue
-            if delta.token_ids:
-                began = handle.last_token_at
-                (self.metrics.ttft if began is None else self.metrics.tpot).observe(
-                    now - (handle.submitted if began is None else began)
-                )
-                handle.last_token_at = now
-            if handle.done:
-                self._retire(handle)
-
-    def _retire(self, handle: RequestHandle) -> None:
-        req = handle.req
-        self.metrics.cache_hit_tokens += req.cached_tokens
-        if req.finish_reason and req.finish_reason.startswith("error"):
-            self.metrics.requests_failed += 1
-        del self.handles[req.req_id]
-        self.scheduler.forget(req.req_id)
-
-    async def _heartbeats(self) -> None:
-        """While idle, send a heartbeat round the ring and watch it return."""
-        assert self.ring is not None
-        seq = 0
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            if self.scheduler.in_flight:
-                continue
-            seq += 1
-            sent = time.monotonic()
-            await self.ring.send.send(Control(ControlKind.HEARTBEAT, seq=seq))
-            what = Owed(self.scheduler.next_pass_id - 1, Control, self.ring.last_rank)
-            await watched(self._heartbeat_back(seq), what, self.wedge_timeout_s, self.health)
-            log.debug("heartbeat.back", seq=seq, rtt_ms=round((time.monotonic() - sent) * 1e3, 3))
-
-    async def _heartbeat_back(self, seq: int) -> None:
-        assert self.ring is not None
-        while True:
-            msg, _ = await self.ring.inbox.get(Control)
-            if msg.kind is ControlKind.HEARTBEAT and msg.seq == seq:
-                return
-
-    # ---- failure -------------------------------------------------------------
 
     def fail(self, reason: str) -> None:
         """The ring is broken: fail every live request with the reason."""
@@ -272,11 +209,6 @@ class Conductor:
         self.failure = reason
         self.health.mark_dead(reason)
         log.error("ring.failed", rank=0, reason=reason)
-        for handle in list(self.handles.values()):
-            req = handle.req
-            req.in_flight = False
-            self.scheduler.abort(req.req_id, f"error: {reason}")
-            handle.take_new_tokens()
-        self.handles.clear()
+        self.desk.fail_all(reason)
         for task in self._tasks:
             task.cancel()

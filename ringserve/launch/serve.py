@@ -10,6 +10,7 @@ import structlog
 
 from ringserve.config import EngineConfig, layer_range
 from ringserve.engine.conductor import Conductor
+from ringserve.engine.desk import RequestDesk
 from ringserve.http.app import create_app
 from ringserve.http.options import HttpOptions
 from ringserve.http.server import serve
@@ -30,11 +31,11 @@ def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conducto
     layers = range(cfg.num_layers) if world == 1 else layer_range(list(config.layer_split or ()), 0)
     stage = build_stage(config, cfg, layers, rank=0)
     zero = build_rank_zero(config, cfg, world=world)
+    desk = RequestDesk(zero.scheduler, zero.tokenizer, zero.new_request, cfg.vocab_size)
     return Conductor(
         zero.scheduler,
         stage,
-        zero.tokenizer,
-        zero.new_request,
+        desk,
         ring=ends,
         wedge_timeout_s=config.wedge_timeout_s,
         heartbeat_s=config.heartbeat_s,
