@@ -34,7 +34,13 @@ def two_passes_in_flight() -> tuple[Scheduler, list]:
 async def test_a_later_output_waits_for_an_earlier_void():
     sched, (first, second) = two_passes_in_flight()
     inbox = Inbox()
-    conductor = Conductor(sched, None, None, RequestFactory(frozenset()), ring=RingEnds(inbox, None, None, last_rank=2))
+    conductor = Conductor(
+        sched,
+        None,
+        None,
+        RequestFactory(frozenset()),
+        ring=RingEnds(inbox, None, None, last_rank=2),
+    )
     order: list[int] = []
     on_output, on_void = sched.on_output, sched.on_void
     sched.on_output = lambda m: order.append(m.pass_id) or on_output(m)

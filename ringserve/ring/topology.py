@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from ringserve.ring.announce import Expectation
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.link import RecvLink, SendLink
 from ringserve.ring.messages import Control, ControlKind
 
 MAX_IN_FLIGHT = 8
+
 
 @dataclass(frozen=True, slots=True)
 class RankSpec:
@@ -46,12 +48,13 @@ class RingEnds:
     last_rank: int
 
 
-def open_links(spec: RankSpec) -> RingEnds:
+def open_links(spec: RankSpec, expect: Expectation | None = None) -> RingEnds:
     """This rank's two links, each on the tag of its sending rank. Call on
-    the rank's event loop."""
+    the rank's event loop. `expect`, the same on every rank, lets a
+    Decision announce its Hidden's tensors (`ring/announce.py`)."""
     inbox = Inbox()
-    recv = RecvLink(spec.prev, spec.prev, inbox)
-    send = SendLink(spec.next, spec.rank, MAX_IN_FLIGHT, inbox=inbox)
+    recv = RecvLink(spec.prev, spec.prev, inbox, expect=expect)
+    send = SendLink(spec.next, spec.rank, MAX_IN_FLIGHT, inbox=inbox, expect=expect)
     return RingEnds(inbox, send, recv, spec.world - 1)
 
 
