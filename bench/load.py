@@ -27,7 +27,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def one_request(client: AsyncClient, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+async def one_request(
+    client: AsyncClient, prompt: str, max_tokens: int
+) -> tuple[float, list[float], int]:
     began = time.perf_counter()
     stamps: list[float] = []
     async for _ in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
@@ -53,9 +55,15 @@ async def drive(url: str, rate: float, duration: float, max_tokens: int, seed: i
     gaps = [g for r in results for g in r[1]]
     chunks = sum(r[2] for r in results)
     print(f"{len(results)} requests at {rate}/s for {duration:.0f} s, {max_tokens} tokens each")
-    print(f"  time to first token   p50 {percentile(ttfts, 0.5) * 1e3:7.1f} ms   p99 {percentile(ttfts, 0.99) * 1e3:7.1f} ms")
-    print(f"  time per output token p50 {percentile(gaps, 0.5) * 1e3:7.1f} ms   p99 {percentile(gaps, 0.99) * 1e3:7.1f} ms")
-    print(f"  throughput {chunks / elapsed:.1f} streamed chunks/s, mean TTFT {statistics.mean(ttfts) * 1e3:.1f} ms")
+    print(
+        f"  time to first token   p50 {percentile(ttfts, 0.5) * 1e3:7.1f} ms   p99 {percentile(ttfts, 0.99) * 1e3:7.1f} ms"
+    )
+    print(
+        f"  time per output token p50 {percentile(gaps, 0.5) * 1e3:7.1f} ms   p99 {percentile(gaps, 0.99) * 1e3:7.1f} ms"
+    )
+    print(
+        f"  throughput {chunks / elapsed:.1f} streamed chunks/s, mean TTFT {statistics.mean(ttfts) * 1e3:.1f} ms"
+    )
 
 
 def launch(pp: int) -> tuple[subprocess.Popen, str]:

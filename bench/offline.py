@@ -30,7 +30,9 @@ from ringserve.models.loader import load_model
 def workload(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(96)]
-    return [system + [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 17))] for _ in range(n)]
+    return [
+        system + [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 17))] for _ in range(n)
+    ]
 
 
 def run_ringserve(llm: LLM, prompts: list[list[int]], new: int) -> float:
@@ -94,7 +96,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     bare = load_model(path, cfg, range(cfg.num_layers), dtype)
-    llm = LLM(path, dtype=args.dtype, max_batch=args.requests, max_tokens_per_pass=2048, chunk_size=512)
+    llm = LLM(
+        path, dtype=args.dtype, max_batch=args.requests, max_tokens_per_pass=2048, chunk_size=512
+    )
     figures: dict[str, list[float]] = {"ringserve": [], "transformers": [], "bare forward": []}
     # warm every engine up at the full shape (allocator pages, caches) on
     # a different workload than any measured round
@@ -112,9 +116,15 @@ def main() -> None:
     print(f"{args.requests} requests, 96-token shared prefix, {args.new_tokens} new tokens, "
           f"{args.dtype}, torch threads {torch.get_num_threads()}")  # fmt: skip
     for name, tps in best.items():
-        print(f"  {name:14s} {tps:9.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in figures[name])})")
-    print(f"  ringserve / transformers = {best['ringserve'] / best['transformers']:.2f}x (goal >= 3)")
-    print(f"  ringserve / bare forward = {best['ringserve'] / best['bare forward']:.2f} (goal >= 0.8)")
+        print(
+            f"  {name:14s} {tps:9.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in figures[name])})"
+        )
+    print(
+        f"  ringserve / transformers = {best['ringserve'] / best['transformers']:.2f}x (goal >= 3)"
+    )
+    print(
+        f"  ringserve / bare forward = {best['ringserve'] / best['bare forward']:.2f} (goal >= 0.8)"
+    )
     llm.close()
 
 

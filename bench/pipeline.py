@@ -57,7 +57,10 @@ def solo(args: argparse.Namespace) -> None:
 def ceiling(args: argparse.Namespace) -> float:
     cmd = [sys.executable, __file__, "--solo", "--requests", str(args.requests),
            "--new-tokens", str(args.new_tokens)]  # fmt: skip
-    twins = [subprocess.Popen(cmd + ["--seed", str(i)], stdout=subprocess.PIPE, text=True) for i in range(2)]
+    twins = [
+        subprocess.Popen(cmd + ["--seed", str(i)], stdout=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
     return sum(float(p.communicate()[0].split()[-1]) for p in twins)
 
 
@@ -91,13 +94,19 @@ def main() -> None:
     one.close()
     two.close()
     best1, best2 = max(pp1), max(pp2)
-    print(f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, one thread per rank")
+    print(
+        f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, one thread per rank"
+    )
     print(f"  pp 1: {best1:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in pp1)})")
     print(f"  pp 2: {best2:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in pp2)})")
     print(f"  pipeline efficiency pp2 / (2 x pp1) = {best2 / (2 * best1):.2f} (goal >= 0.8)")
-    print(f"  machine ceiling: two independent 1-rank engines at once = {both:.1f} tok/s, "
-          f"{both / (2 * best1):.2f} of 2 x pp1; the ring reaches {best2 / both:.2f} of it")
-    print(f"  longest rank-0 loop stall during pp 2 passes: {max(stalls) * 1e3:.1f} ms (goal < 20 ms)")
+    print(
+        f"  machine ceiling: two independent 1-rank engines at once = {both:.1f} tok/s, "
+        f"{both / (2 * best1):.2f} of 2 x pp1; the ring reaches {best2 / both:.2f} of it"
+    )
+    print(
+        f"  longest rank-0 loop stall during pp 2 passes: {max(stalls) * 1e3:.1f} ms (goal < 20 ms)"
+    )
 
 
 if __name__ == "__main__":

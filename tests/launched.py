@@ -85,7 +85,9 @@ class Launched:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        while any(pid_alive(p) for p in self.ranks.values()) and time.monotonic() - began < timeout_s:
+        while (
+            any(pid_alive(p) for p in self.ranks.values()) and time.monotonic() - began < timeout_s
+        ):
             time.sleep(0.05)
         gone = time.monotonic() - began
         for pid in self.ranks.values():

@@ -5,7 +5,8 @@
 Each rank links to its successor and from its predecessor on one tag and
 plays its part of the scenario. Everything it reports goes to stdout as JSON
 lines: structlog events (`wedge.suspect`, `link.failed`, ...) and `peer.*`
-records the test reads. `--drop-handles` mutates this process only: its
+records the test reads. `--expect` gives this rank's links the expectation
+`announces` (a Decision announces its Hidden's tensor). `--drop-handles` mutates this process only: its
 SendLink drops every Work handle right after posting (the defect the link's
 retention prevents); nothing in the product can switch that on.
 """
@@ -24,16 +25,34 @@ import structlog
 import torch
 import uvloop
 
+from ringserve.ring.codec import FrameError, TensorSpec
 from ringserve.ring.errors import LinkError
 from ringserve.ring.group import close_group, init_group
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.link import RecvLink, SendLink
-from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output
+from ringserve.ring.messages import Control, ControlKind, Decision, Entry, Hidden, Message, Output
 from ringserve.ring.watchdog import Liveness, Owed, watched
 
 TAG = 3
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)
 FIFO_PASSES = 12
+WIDTH = 8
+
+
+def announces(msg: Message) -> list[TensorSpec]:
+    """As the engine's: a Decision fixes its Hidden's (tokens, width) shape."""
+    if not isinstance(msg, Decision):
+        return []
+    return [TensorSpec(torch.float32, (sum(len(e.tokens) for e in msg.entries), WIDTH))]
+
+
+def decision(pass_id: int, tokens: int) -> Decision:
+    entry = Entry(pass_id, 0, list(range(100_000, 100_000 + tokens)), list(range(tokens)), True)
+    return Decision(pass_id, 0, [], [entry], [])
+
+
+def hidden_states(pass_id: int, tokens: int) -> torch.Tensor:
+    return torch.arange(tokens * WIDTH, dtype=torch.float32).reshape(tokens, WIDTH) + pass_id
 
 
 def report(event: str, **fields: object) -> None:
@@ -69,13 +88,14 @@ class Peer:
     health: Liveness
     send: SendLink
     recv: RecvLink | None
+    expect: Callable[[Message], list[TensorSpec]] | None = None
 
     @property
     def prev(self) -> int:
         return (self.rank - 1) % self.world
 
     def open_recv(self) -> None:
-        self.recv = RecvLink(self.prev, TAG, self.inbox)
+        self.recv = RecvLink(self.prev, TAG, self.inbox, expect=self.expect)
 
     async def close(self) -> None:
         await self.send.close(timeout_s=1.0)
@@ -129,6 +149,68 @@ async def dispatch(peer: Peer) -> None:
         hidden=hidden.pass_id,
         tensor=tensors[0].tolist(),
     )
+
+
+# Passes of the announced scenario: (tokens, what rank 0 sends as the Hidden).
+# Pass 2's decision overflows the head; pass 4's Hidden is never sent, so its
+# announced receive is filled by the shutdown.
+ANNOUNCED = {0: (2, "tensor"), 1: (3, "void"), 2: (2000, "tensor"), 3: (1, "tensor"), 4: (5, None)}
+
+
+async def announced(peer: Peer) -> None:
+    """Hiddens whose tensors were announced by their decisions, two ahead."""
+    if peer.rank == 0:
+        refused = []
+        for p in (0, 1):
+            await peer.send.send(decision(p, ANNOUNCED[p][0]))
+        await peer.send.send(Hidden(0), (hidden_states(0, 2),))
+        await peer.send.send(Control(ControlKind.HEARTBEAT, seq=1))
+        await peer.send.send(Hidden(1, void="injected", void_rank=0))
+        for p in (2, 3, 4):
+            await peer.send.send(decision(p, ANNOUNCED[p][0]))
+        await peer.send.send(Hidden(2), (hidden_states(2, 2000),))
+        for bad in ((hidden_states(3, 2),), (hidden_states(3, 1).double(),)):
+            try:
+                await peer.send.send(Hidden(3), bad)
+            except FrameError as exc:
+                refused.append(str(exc))
+        try:
+            await peer.send.send(Hidden(4), (hidden_states(4, 5),))  # out of its turn
+        except FrameError as exc:
+            refused.append(str(exc))
+        await peer.send.send(Hidden(3), (hidden_states(3, 1),))
+        report("peer.result", refused=refused, in_flight=peer.send.in_flight)
+        return
+    got = {}
+    for p in range(len(ANNOUNCED)):
+        d, _ = await peer.inbox.get(Decision)
+        got[p] = {"decision": d == decision(p, ANNOUNCED[p][0])}
+    for p in range(4):
+        h, tensors = await peer.inbox.get(Hidden)
+        tokens, kind = ANNOUNCED[p]
+        want = (hidden_states(p, tokens),) if kind == "tensor" else ()
+        got[p].update(pass_id=h.pass_id, void=h.void, tensors=same(tensors, want))
+    control, _ = await peer.inbox.get(Control)
+    assert peer.recv is not None
+    closed = await peer.recv.close(timeout_s=10.0)
+    report("peer.result", got=got, control=control.seq, closed=closed)
+
+
+async def desync(peer: Peer) -> None:
+    """Rank 0 announces tensors that rank 1 does not expect: rank 1 must fail
+    loudly, not read the tensor as the next head."""
+    if peer.rank == 0:
+        await peer.send.send(decision(0, 2))
+        await peer.send.send(Hidden(0), (hidden_states(0, 2),))
+        await peer.send.send(Hidden(1), (torch.zeros(4),))
+        return
+    d, _ = await peer.inbox.get(Decision)
+    try:
+        await peer.inbox.get(Hidden)
+        error = None
+    except LinkError as exc:
+        error = str(exc)
+    report("peer.result", decision=d.pass_id, error=error)
 
 
 class Ticker:
@@ -229,20 +311,23 @@ async def ticker(peer: Peer) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Peer], Awaitable[None]]] = {
-    f.__name__: f for f in (fifo, dispatch, backpressure, kill, retention, ticker)
+    f.__name__: f
+    for f in (fifo, dispatch, backpressure, kill, retention, ticker, announced, desync)
 }
 
 
 def drop_handles() -> None:
     """The mutation: pretend each message completed and drop its handles."""
-    SendLink._retain = lambda self, pending: self._loop.call_soon(self._observed, None)
+    SendLink._retain = lambda self, pending: self._complete(None)
 
 
 async def main(args: argparse.Namespace) -> None:
     init_group(args.rank, args.world, "127.0.0.1", args.port, connect_timeout_s=30.0)
     inbox = Inbox()
-    send = SendLink((args.rank + 1) % args.world, TAG, args.max_in_flight, inbox=inbox)
-    peer = Peer(args.rank, args.world, inbox, Liveness(args.rank), send, None)
+    expect = announces if args.expect else None
+    nxt = (args.rank + 1) % args.world
+    send = SendLink(nxt, TAG, args.max_in_flight, inbox=inbox, expect=expect)
+    peer = Peer(args.rank, args.world, inbox, Liveness(args.rank), send, None, expect)
     if args.scenario not in ("backpressure", "retention", "kill") or args.rank == 0:
         peer.open_recv()
     await SCENARIOS[args.scenario](peer)
@@ -260,6 +345,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument("--max-in-flight", type=int, default=2)
     parser.add_argument("--drop-handles", action="store_true")
+    parser.add_argument("--expect", action="store_true")
     return parser.parse_args()
 
 

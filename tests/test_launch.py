@@ -36,7 +36,9 @@ def model_id(server: Launched) -> str:
 def test_openai_completions_stream_equals_plain(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     model = model_id(server)
-    plain = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    plain = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=12, temperature=0
+    )
     chunks = client.completions.create(
         model=model, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True
     )
@@ -50,7 +52,9 @@ def test_openai_chat_stream_equals_plain(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     model = model_id(server)
     messages = [{"role": "user", "content": "Tell me about rivers."}]
-    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
+    plain = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=10, temperature=0
+    )
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=10, temperature=0, stream=True
     )
@@ -67,7 +71,14 @@ async def test_async_client_and_concurrent_streams_hit_the_prefix_cache(server):
         assert one.finish_reason == "length" and len(one.token_ids) == 6
 
         async def stream(i: int) -> str:
-            return "".join([d async for d in client.stream(system + f"Question {i}?", max_tokens=8, temperature=0)])
+            return "".join(
+                [
+                    d
+                    async for d in client.stream(
+                        system + f"Question {i}?", max_tokens=8, temperature=0
+                    )
+                ]
+            )
 
         first = await asyncio.gather(*(stream(i) for i in range(64)))
         again = await asyncio.gather(*(stream(i) for i in range(64)))
@@ -75,7 +86,9 @@ async def test_async_client_and_concurrent_streams_hit_the_prefix_cache(server):
     async with aiohttp.ClientSession() as session:
         async with session.get(server.url + "/metrics") as resp:
             metrics = await resp.text()
-    hits = next(line for line in metrics.splitlines() if line.startswith("ringserve_cache_hit_tokens_total"))
+    hits = next(
+        line for line in metrics.splitlines() if line.startswith("ringserve_cache_hit_tokens_total")
+    )
     assert float(hits.split()[-1]) > 64 * 20, hits
 
 
@@ -142,7 +155,9 @@ def test_two_launchers_act_as_two_nodes(stop_node):
     try:
         first.wait_for("ready at", 180)
         client = openai.OpenAI(base_url=first.url + "/v1", api_key="none")
-        out = client.completions.create(model=model_id(first), prompt="Two nodes", max_tokens=5, temperature=0)
+        out = client.completions.create(
+            model=model_id(first), prompt="Two nodes", max_tokens=5, temperature=0
+        )
         assert out.usage.completion_tokens == 5
         stopped, other = (first, second) if stop_node == 0 else (second, first)
         stopped.stop(signal.SIGTERM)

@@ -61,7 +61,11 @@ def module_imports(path: Path) -> set[str]:
     """The ringserve modules `path` imports at module level (not in a function)."""
     found = set()
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ringserve."):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("ringserve.")
+        ):
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names)
     return found
@@ -72,7 +76,9 @@ def test_no_import_circles() -> None:
         ".".join(("ringserve", *p.relative_to(PACKAGE).with_suffix("").parts)): p
         for p in PACKAGE.rglob("*.py")
     }
-    graph = {m: {i for i in module_imports(p) if i in modules and i != m} for m, p in modules.items()}
+    graph = {
+        m: {i for i in module_imports(p) if i in modules and i != m} for m, p in modules.items()
+    }
     circles = []
     state: dict[str, int] = {}  # 1: on the path, 2: done
 

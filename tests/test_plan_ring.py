@@ -28,7 +28,9 @@ def test_uneven_budgets_give_an_uneven_plan_and_equal_outputs(tmp_path):
         assert plan.layer_split[0] > max(plan.layer_split[1:])
         assert llm.config.kv_capacity_tokens == plan.capacity_tokens
         assert all(e.headroom >= 0 for e in plan.ledger)
-        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        )
         assert [o.token_ids for o in outs] == expected
     finally:
         procs = list(llm._ring.children.procs.values())

@@ -1,5 +1,6 @@
 """The ring codec: msgpack payloads of every message type and the frame
-(header, payload, tensors) a link sends, read back the way a reader does."""
+(head with the payload inline or an overflow payload, tensors) a link
+sends, read back the way a reader does."""
 
 from __future__ import annotations
 
@@ -44,17 +45,22 @@ MESSAGES = [
 ]
 
 
-def receive(buffers: list[torch.Tensor]) -> tuple[object, tuple[torch.Tensor, ...]]:
-    """Read a frame into fresh buffers sized from its header, as a reader does."""
-    header = codec.empty_header()
-    header.copy_(buffers[0])
-    announced = codec.unpack_header(header)
-    payload = torch.empty(announced.payload_len, dtype=torch.uint8)
-    payload.copy_(buffers[1])
+def receive(fr: codec.Frame) -> tuple[object, tuple[torch.Tensor, ...]]:
+    """Read a frame into fresh buffers sized from its head, as a reader does."""
+    head = codec.empty_head()
+    head.copy_(fr.head)
+    announced = codec.unpack_header(head)
+    rest = fr.buffers[1:]
+    if announced.overflow:
+        payload = torch.empty(announced.payload_len, dtype=torch.uint8)
+        payload.copy_(rest.pop(0))
+        msg = codec.decode(memoryview(payload.numpy()))
+    else:
+        msg = codec.decode(codec.inline_payload(head, announced))
     tensors = tuple(spec.empty() for spec in announced.tensors)
-    for dst, src in zip(tensors, buffers[2:], strict=True):
+    for dst, src in zip(tensors, rest, strict=True):
         dst.copy_(src)
-    return codec.decode(memoryview(payload.numpy())), tensors
+    return msg, tensors
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -90,24 +96,61 @@ def test_frame_carries_each_dtype_bit_exact(dtype: torch.dtype) -> None:
 def test_frame_makes_views_contiguous_and_keeps_order() -> None:
     view = torch.arange(12.0).reshape(3, 4).t()
     extra = torch.arange(5, dtype=torch.int32)
-    buffers = codec.frame(Hidden(2), (view, extra))
-    assert len(buffers) == 4 and all(b.is_contiguous() for b in buffers)
-    _, (a, b) = receive(buffers)
+    fr = codec.frame(Hidden(2), (view, extra))
+    assert len(fr.buffers) == 3 and all(b.is_contiguous() for b in fr.buffers)
+    _, (a, b) = receive(fr)
     assert torch.equal(a, view) and torch.equal(b, extra)
 
 
-def test_header_has_a_fixed_size_whatever_the_frame_carries() -> None:
-    small = codec.frame(Control(ControlKind.HEARTBEAT))[0]
-    full = codec.frame(Hidden(1), [torch.zeros(1, 2, 3, 4)] * codec.MAX_TENSORS)[0]
-    assert small.shape == full.shape == (codec.HEADER_LEN,)
-    assert small.dtype == full.dtype == torch.int64
+def test_head_has_a_fixed_size_whatever_the_frame_carries() -> None:
+    small = codec.frame(Control(ControlKind.HEARTBEAT)).head
+    full = codec.frame(Hidden(1), [torch.zeros(1, 2, 3, 4)] * codec.MAX_TENSORS).head
+    big = codec.frame(long_decision(4000)).head
+    assert small.shape == full.shape == big.shape == (codec.HEAD_BYTES,)
+    assert small.dtype == full.dtype == big.dtype == torch.uint8
+
+
+def long_decision(tokens: int) -> Decision:
+    entry = Entry(1, 0, list(range(100_000, 100_000 + tokens)), list(range(tokens)), True)
+    return Decision(9, 0, [], [entry], [])
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_a_small_message_is_one_send_with_its_payload_inline(msg) -> None:
+    fr = codec.frame(msg)
+    assert fr.payload is None and fr.buffers == [fr.head]
+    assert not codec.unpack_header(fr.head).overflow
+    assert receive(fr) == (msg, ())
+
+
+def test_a_payload_beyond_the_head_overflows_into_its_own_send() -> None:
+    msg = long_decision(2000)
+    assert len(codec.encode(msg)) > codec.INLINE_BYTES
+    fr = codec.frame(msg, (torch.arange(3.0),))
+    announced = codec.unpack_header(fr.head)
+    assert announced.overflow and announced.payload_len == len(codec.encode(msg))
+    assert fr.payload is not None and bytes(fr.payload.numpy()) == codec.encode(msg)
+    got, (t,) = receive(fr)
+    assert got == msg and t.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_an_inline_payload_that_fills_the_head_exactly_stays_inline() -> None:
+    tokens = 1
+    while len(codec.encode(long_decision(tokens + 1))) <= codec.INLINE_BYTES:
+        tokens += 1
+    fits, spills = long_decision(tokens), long_decision(tokens + 1)
+    assert not codec.unpack_header(codec.frame(fits).head).overflow
+    assert codec.unpack_header(codec.frame(spills).head).overflow
+    assert receive(codec.frame(fits))[0] == fits
 
 
 def test_only_a_shutdown_frame_is_final() -> None:
-    shutdown = codec.frame(Control(ControlKind.SHUTDOWN, rank=2))[0]
+    shutdown = codec.frame(Control(ControlKind.SHUTDOWN, rank=2)).head
     assert codec.unpack_header(shutdown).final
     for msg in MESSAGES + [Control(ControlKind.HEARTBEAT)]:
-        assert not codec.unpack_header(codec.frame(msg)[0]).final
+        assert not codec.unpack_header(codec.frame(msg).head).final
+    with pytest.raises(FrameError, match="final frame"):
+        codec.frame(Control(ControlKind.SHUTDOWN), (torch.zeros(1),))
 
 
 def test_scalar_and_empty_tensors_round_trip() -> None:
@@ -131,16 +174,44 @@ def test_frame_refuses_what_the_header_cannot_describe(tensors, match: str) -> N
         codec.frame(Hidden(1), tensors)
 
 
+def field_set(head: torch.Tensor, index: int, value: int) -> torch.Tensor:
+    """A copy of `head` with int64 header field `index` set to `value`."""
+    changed = head.clone()
+    changed[8 * index : 8 * index + 8] = torch.tensor([value]).view(torch.uint8)
+    return changed
+
+
 def test_header_out_of_step_is_refused() -> None:
-    header = codec.frame(Hidden(1), (torch.zeros(2),))[0]
-    garbage = header.clone()
-    garbage[0] = 12345
+    head = codec.frame(Hidden(1), (torch.zeros(2),)).head
     with pytest.raises(FrameError, match="out of step"):
-        codec.unpack_header(garbage)
-    bad_dtype = header.clone()
-    bad_dtype[4] = 99  # the first tensor's dtype code
+        codec.unpack_header(field_set(head, 0, 12345))
+    with pytest.raises(FrameError, match="out of step"):  # a tensor where a head is owed
+        codec.unpack_header(
+            torch.arange(codec.HEAD_BYTES // 4, dtype=torch.float32).view(torch.uint8)
+        )
     with pytest.raises(FrameError, match="dtype code 99"):
-        codec.unpack_header(bad_dtype)
+        codec.unpack_header(field_set(head, 4, 99))  # the first tensor's dtype code
+
+
+@pytest.mark.parametrize(
+    ("index", "value", "match"),
+    [
+        (1, codec.OVERFLOW, "-byte payload with flags"),
+        (2, codec.INLINE_BYTES + 1, "-byte payload with flags"),
+        (1, codec.PLACEHOLDER, "not a frame's"),
+        (1, 64, "not a frame's"),
+    ],
+    ids=[
+        "overflow flag, inline size",
+        "inline flag, overflow size",
+        "placeholder alone",
+        "unknown",
+    ],
+)
+def test_header_whose_flags_disagree_with_its_sizes_is_refused(index, value, match) -> None:
+    head = codec.frame(Hidden(1)).head
+    with pytest.raises(FrameError, match=match):
+        codec.unpack_header(field_set(head, index, value))
 
 
 @settings(max_examples=40, deadline=None)

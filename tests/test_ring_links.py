@@ -23,6 +23,7 @@ from ringserve.ring.errors import LinkError
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.messages import Control, ControlKind, Hidden, Output, Void
 from ringserve.ring.watchdog import Liveness, Owed, watched
+from tests.ring_peer import ANNOUNCED
 
 PEER = Path(__file__).with_name("ring_peer.py")
 ROOT = PEER.parent.parent
@@ -177,6 +178,36 @@ def test_event_loop_keeps_ticking_while_a_large_receive_is_pending(ring) -> None
     assert result["numel"] == 4 << 20
     assert result["waited"] > 0.5
     assert result["ticks"] > 20 and result["max_gap"] < 0.5
+
+
+@pytest.mark.timeout(60)
+def test_announced_tensors_arrive_into_receives_posted_ahead(ring) -> None:
+    peers = ring("announced", 2, {0: ["--expect"], 1: ["--expect", "--max-in-flight", "8"]})
+    assert peers.finish() == [0, 0], peers.diagnostics()
+    got = peers.result(1)
+    assert got["control"] == 1 and got["closed"]  # the owed pass 4 was filled at shutdown
+    for p, (_, kind) in ANNOUNCED.items():
+        row = got["got"][str(p)]
+        assert row["decision"], p
+        if kind is not None:
+            assert (row["pass_id"], row["tensors"]) == (p, True), p
+            assert row["void"] == (None if kind == "tensor" else "injected")
+    refused = peers.result(0)["refused"]
+    assert len(refused) == 3
+    assert "announced" in refused[0] and "announced" in refused[1]
+    assert "out of turn" in refused[2]
+    assert peers.records(1, "link.failed") == [] and peers.records(0, "link.failed") == []
+
+
+@pytest.mark.timeout(60)
+def test_tensors_announced_to_a_receiver_that_expects_none_fail_the_link_loudly(ring) -> None:
+    peers = ring("desync", 2, {0: ["--expect"]})
+    codes = peers.finish()
+    result = peers.result(1)
+    assert result["decision"] == 0
+    assert result["error"] is not None and "rank 0" in result["error"], peers.diagnostics()
+    assert "preposted=True" in result["error"]
+    assert codes[1] == 0, peers.diagnostics()
 
 
 # In process: the inbox and the watchdog, under both event loops.

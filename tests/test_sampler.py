@@ -67,8 +67,12 @@ def test_seeded_generation_reproduces_end_to_end():
     with LLM() as llm:
         first = llm.generate(["a seeded prompt", "another one"], params)
         again = llm.generate(["a seeded prompt", "another one"], params)
-        greedy = llm.generate(["a seeded prompt"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        top1 = llm.generate(["a seeded prompt"], SamplingParams(max_tokens=12, top_k=1, seed=5, ignore_eos=True))
+        greedy = llm.generate(
+            ["a seeded prompt"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        )
+        top1 = llm.generate(
+            ["a seeded prompt"], SamplingParams(max_tokens=12, top_k=1, seed=5, ignore_eos=True)
+        )
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert top1[0].token_ids == greedy[0].token_ids
 

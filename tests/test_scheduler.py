@@ -33,7 +33,9 @@ def oracle(decision: Decision) -> Output:
     return Output(decision.pass_id, tokens)
 
 
-def run_all(sched: Scheduler, replica: Replica | None = None, max_passes: int = 10_000) -> list[Decision]:
+def run_all(
+    sched: Scheduler, replica: Replica | None = None, max_passes: int = 10_000
+) -> list[Decision]:
     decisions = []
     for _ in range(max_passes):
         d = sched.schedule()
@@ -129,7 +131,9 @@ def test_retraction_reprefills_prompt_and_output(factory):
     assert a.output == [(1 + 1 + k) % 97 for k in range(8)]
     assert b.output == [(2 + 1 + k) % 97 for k in range(8)]
     # b was pushed out while a decoded, and re-entered with its output so far
-    reentries = [e for d in decisions for e in d.entries if e.req_id == b.req_id and e.reuse is not None]
+    reentries = [
+        e for d in decisions for e in d.entries if e.req_id == b.req_id and e.reuse is not None
+    ]
     assert len(reentries) >= 2
 
 
@@ -253,7 +257,9 @@ def test_requests_are_shared_between_micro_batch_slots(factory):
     assert not {e.req_id for e in d0.entries} & {e.req_id for e in d1.entries}
     sched.on_output(oracle(d1))
     d2 = sched.schedule()
-    assert d2.mb_slot == d1.mb_slot and {e.req_id for e in d2.entries} == {e.req_id for e in d1.entries}
+    assert d2.mb_slot == d1.mb_slot and {e.req_id for e in d2.entries} == {
+        e.req_id for e in d1.entries
+    }
     sched.on_output(oracle(d0))
     sched.on_output(oracle(d2))
     run_all(sched)

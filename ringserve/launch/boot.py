@@ -20,7 +20,10 @@ from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.plan.audit import check_allocation
+from ringserve.ring.announce import Expectation
+from ringserve.ring.codec import TensorSpec
 from ringserve.ring.faults import FaultPlan
+from ringserve.ring.messages import Decision, Message
 from ringserve.sched.request import RequestFactory
 from ringserve.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -56,6 +59,21 @@ def report_loaded(stage: Stage) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def hidden_announcement(config: EngineConfig, cfg: ModelConfig) -> Expectation:
+    """What a Decision announces on every link: the one tensor of hidden
+    states its pass's Hidden carries, `(tokens, hidden_size)` in the serving
+    dtype, so the receiver posts its receive before the Hidden arrives."""
+    dtype = TORCH_DTYPES[resolve_dtype(config.dtype, cfg.torch_dtype)]
+
+    def expect(msg: Message) -> list[TensorSpec]:
+        if not isinstance(msg, Decision):
+            return []
+        tokens = sum(len(e.tokens) for e in msg.entries)
+        return [TensorSpec(dtype, (tokens, cfg.hidden_size))] if tokens else []
+
+    return expect
 
 
 @dataclass(slots=True)

@@ -17,8 +17,10 @@ import uvloop
 from ringserve.config import EngineConfig
 from ringserve.engine.conductor import Conductor
 from ringserve.engine.handle import RequestHandle
+from ringserve.launch.boot import hidden_announcement
 from ringserve.launch.processes import RankProcesses, free_port
 from ringserve.launch.serve import build_conductor
+from ringserve.models.config import ModelConfig
 from ringserve.params import RequestOutput, SamplingParams
 from ringserve.ring.faults import FaultPlan
 from ringserve.ring.group import close_group, init_group
@@ -87,7 +89,8 @@ class LocalRing:
         ends = None
         if spec.world > 1:
             init_group(0, spec.world, spec.master_addr, spec.master_port)
-            ends = open_links(spec, FaultPlan.from_env(0))
+            expect = hidden_announcement(config, ModelConfig.from_dir(config.model_dir))
+            ends = open_links(spec, FaultPlan.from_env(0), expect)
         conductor = build_conductor(config, spec.world, ends)
         if ends is not None:
             await announce_ready(ends, timeout_s=300.0)

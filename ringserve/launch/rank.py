@@ -16,7 +16,7 @@ import structlog
 from ringserve import logs
 from ringserve.config import EngineConfig, layer_range
 from ringserve.engine.follower import Follower
-from ringserve.launch.boot import build_stage, report_loaded
+from ringserve.launch.boot import build_stage, hidden_announcement, report_loaded
 from ringserve.launch.processes import EXIT_LINK_FAILED, decode_config, die_with_parent
 from ringserve.models.config import ModelConfig
 from ringserve.ring.errors import LinkError
@@ -33,7 +33,7 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
     split = list(config.layer_split or ())
     stage = build_stage(config, cfg, layer_range(split, spec.rank), spec.rank)
     report_loaded(stage)
-    ends = open_links(spec, FaultPlan.from_env(spec.rank))
+    ends = open_links(spec, FaultPlan.from_env(spec.rank), hidden_announcement(config, cfg))
     follower = Follower(
         stage,
         ends.inbox,

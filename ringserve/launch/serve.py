@@ -14,7 +14,7 @@ from ringserve.engine.desk import RequestDesk
 from ringserve.http.app import create_app
 from ringserve.http.options import HttpOptions
 from ringserve.http.server import serve
-from ringserve.launch.boot import build_rank_zero, build_stage, report_loaded
+from ringserve.launch.boot import build_rank_zero, build_stage, hidden_announcement, report_loaded
 from ringserve.launch.processes import EXIT_LINK_FAILED
 from ringserve.models.config import ModelConfig
 from ringserve.ring.faults import FaultPlan
@@ -47,7 +47,8 @@ async def run_rank_zero(spec, config: EngineConfig, http: HttpOptions, ready_fil
     the ring down on the way out. Returns the process exit code."""
     ends = None
     if spec.world > 1:
-        ends = open_links(spec, FaultPlan.from_env(0))
+        expect = hidden_announcement(config, ModelConfig.from_dir(config.model_dir))
+        ends = open_links(spec, FaultPlan.from_env(0), expect)
         conductor = build_conductor(config, spec.world, ends)
         report_loaded(conductor.stage)
         await announce_ready(ends, timeout_s=600.0)

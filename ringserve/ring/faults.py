@@ -116,11 +116,16 @@ class FaultPlan:
     crash_passes: frozenset[int] = field(default_factory=frozenset)
     slow_ms: int = 0
     slow_ms_per_layer: int = 0
+    # Some rank of the ring drops messages: then no link announces tensors
+    # ahead (ring/announce.py), so a dropped Hidden leaves its receiver
+    # waiting, the wedge the drill is for, on every rank alike.
+    ring_drops: bool = False
 
     @classmethod
     def parse(cls, spec: str, rank: int) -> FaultPlan:
         """The plan of `rank` from a `RINGSERVE_FAULTS` value."""
-        mine = [rule for rule in parse_rules(spec) if rule.rank == rank]
+        rules = parse_rules(spec)
+        mine = [rule for rule in rules if rule.rank == rank]
         slow = [rule.fields for rule in mine if rule.action == "slow"]
         if len(slow) > 1:
             raise ValueError(f"fault rules give rank {rank} {len(slow)} slow rules; give it one")
@@ -131,6 +136,7 @@ class FaultPlan:
             crash_passes=frozenset(r.fields["pass"] for r in mine if r.action == "crash"),
             slow_ms=slow[0].get("ms", 0) if slow else 0,
             slow_ms_per_layer=slow[0].get("ms_per_layer", 0) if slow else 0,
+            ring_drops=any(r.action == "drop" for r in rules),
         )
 
     @classmethod

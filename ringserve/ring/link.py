@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ringserve import logs
 from ringserve.ring import codec
+from ringserve.ring.announce import Announcements, Expectation
 from ringserve.ring.errors import LinkError
 from ringserve.ring.messages import Control, ControlKind, Message
 
@@ -68,12 +69,27 @@ def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args
     return True
 
 
+TENSOR_TAG_OFFSET = 1 << 20
+
+
+def tensor_tag(tag: int) -> int:
+    """The gloo tag of announced tensors on the link whose frames use `tag`."""
+    if not 0 <= tag < TENSOR_TAG_OFFSET:
+        raise ValueError(f"a link tag is in [0, {TENSOR_TAG_OFFSET}), got {tag}")
+    return tag + TENSOR_TAG_OFFSET
+
+
 @dataclass(slots=True)
 class _Pending:
     """One message handed to gloo: its Work handles and the buffers they read."""
 
     works: list[dist.Work]
     buffers: list[torch.Tensor]
+
+
+def _wait_all(pending: _Pending) -> None:
+    for work in pending.works:
+        work.wait()
 
 
 class SendLink:
@@ -95,18 +111,26 @@ class SendLink:
         *,
         group: dist.ProcessGroup | None = None,
         inbox: Inbox | None = None,
+        expect: Expectation | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.peer, self.tag, self.max_in_flight = peer, tag, max_in_flight
+        self.tensor_tag = tensor_tag(tag)
+        self._announcements: Announcements[None] = Announcements(expect)
         self._group = group if group is not None else dist.group.WORLD
         self._inbox = inbox
         self._trace = logs.tracing()
         self._loop = asyncio.get_running_loop()
-        self._in_flight = 0
+        # The sender thread counts completions itself and calls the loop
+        # only when a send or flush waits on one (or a send failed), so a
+        # message costs the sending loop no wake-up of its own.
+        self._lock = threading.Lock()  # guards the two counts and _wake_wanted
+        self._posted = 0  # messages handed to gloo; the loop thread counts them
+        self._done = 0  # of those, observed complete; the sender thread counts them
+        self._wake_wanted = False
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
-        self._settled = asyncio.Event()
-        self._settled.set()
+        self._settle_waiters: list[asyncio.Future[None]] = []
         self._error: LinkError | None = None
         self._shut = False
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
@@ -116,7 +140,7 @@ class SendLink:
     @property
     def in_flight(self) -> int:
         """Messages posted to gloo whose completion is not yet observed."""
-        return self._in_flight
+        return self._posted - self._done
 
     @property
     def error(self) -> LinkError | None:
@@ -126,21 +150,31 @@ class SendLink:
         """Post `msg` and its CPU `tensors` (at most `codec.MAX_TENSORS`) to the
         peer; returns once every part is handed to gloo, waiting first while
         `max_in_flight` messages are unobserved. Raises LinkError if the link
-        has failed, FrameError for a message that cannot be framed. No message
-        may follow a `Control(SHUTDOWN)` on a link."""
+        has failed, FrameError for a message that cannot be framed or that
+        breaks the contract of announced tensors (`ring/announce.py`). No
+        message may follow a `Control(SHUTDOWN)` on a link."""
         if self._shut:
             raise RuntimeError(f"send on the link to rank {self.peer} after it was shut down")
         self._raise_if_failed()
-        buffers = codec.frame(msg, tensors)
         await self._acquire_slot()
         if self._shut:  # a SHUTDOWN went out while this send waited
-            self._observed(None)
+            self._release()
             raise RuntimeError(f"send on the link to rank {self.peer} after it was shut down")
+        try:
+            fr, ahead = self._frame(msg, tensors)
+        except BaseException:
+            self._release()  # nothing was posted: hand the slot back
+            raise
         self._shut = codec.is_final(msg)
         works: list[dist.Work] = []
+        buffers = [*fr.buffers, *ahead]
         try:
-            for buf in buffers:
-                works.append(self._group.send([buf], self.peer, self.tag))
+            works.append(self._group.send([fr.head], self.peer, self.tag))
+            if fr.payload is not None:
+                works.append(self._group.send([fr.payload], self.peer, self.tag))
+            tag = self.tensor_tag if fr.flags & codec.PREPOSTED else self.tag
+            for t in (*fr.tensors, *ahead):
+                works.append(self._group.send([t], self.peer, tag))
         except RuntimeError as exc:
             self._fail(str(exc))
         finally:
@@ -149,11 +183,45 @@ class SendLink:
         if self._trace:
             _log_message("msg.sent", msg, sum(b.nbytes for b in buffers), self.peer)
 
+    def _frame(
+        self, msg: Message, tensors: Sequence[torch.Tensor]
+    ) -> tuple[codec.Frame, list[torch.Tensor]]:
+        """The frame of `msg`, and the placeholders a final frame sends for
+        every Hidden still owed announced tensors. Updates the announcements
+        only once the frame is built, so a refused send changes nothing."""
+        owed = self._announcements.owed_to(msg)
+        announces = self._announcements.announced_by(msg)
+        ahead: list[torch.Tensor] = []
+        if owed is not None:
+            if tensors and tuple(codec.TensorSpec.of(t) for t in tensors) != owed.specs:
+                got = [codec.TensorSpec.of(t) for t in tensors]
+                raise codec.FrameError(
+                    f"Hidden of pass {msg.pass_id} carries {got}, announced {list(owed.specs)}"  # type: ignore[union-attr]
+                )
+            flags = codec.PREPOSTED if tensors else codec.PREPOSTED | codec.PLACEHOLDER
+            fr = codec.frame(msg, tensors or [s.empty() for s in owed.specs], flags)
+            self._announcements.pop()
+        elif codec.is_final(msg) and len(self._announcements):
+            fr = codec.frame(msg, tensors, codec.PREPOSTED | codec.PLACEHOLDER)
+            ahead = [s.empty() for a in self._announcements.drain() for s in a.specs]
+        else:
+            fr = codec.frame(msg, tensors)
+        if announces:
+            self._announcements.add(msg, announces, None)
+        return fr, ahead
+
     async def flush(self) -> None:
         """Wait until every posted message is observed complete; raises
         LinkError if the link failed."""
-        await self._settled.wait()
-        self._raise_if_failed()
+        while True:
+            self._raise_if_failed()
+            with self._lock:
+                if self._posted == self._done:
+                    return
+                self._wake_wanted = True
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._settle_waiters.append(fut)
+            await fut
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """End the link: send `Control(SHUTDOWN)` unless one was sent or the
@@ -166,7 +234,7 @@ class SendLink:
         except LinkError:
             pass
         except TimeoutError:
-            log.warning("link.close_timeout", peer=self.peer, in_flight=self._in_flight)
+            log.warning("link.close_timeout", peer=self.peer, in_flight=self.in_flight)
             return
         self._shut = True
         self._queue.put(None)
@@ -192,31 +260,56 @@ class SendLink:
                     work.wait()
                 except Exception as exc:  # gloo raises RuntimeError subclasses
                     reason = reason or str(exc)
-            if not _call_on_loop(self._loop, self._observed, reason):
+            if not self._complete(reason):
                 return
 
-    def _observed(self, reason: str | None) -> None:
+    def _complete(self, reason: str | None) -> bool:
+        """Count one message observed complete (any thread); wake the loop
+        only if it waits on that, or `reason` says the send failed. False
+        once the loop is closed."""
+        with self._lock:
+            self._done += 1
+            wake, self._wake_wanted = self._wake_wanted or reason is not None, False
+        return not wake or _call_on_loop(self._loop, self._progress, reason)
+
+    def _progress(self, reason: str | None) -> None:
+        """Loop thread: hand freed slots to waiting sends, in order, and
+        wake flushes once nothing is in flight."""
         if reason is not None:
             self._fail(reason)
-        if self._slot_waiters:
-            self._slot_waiters.popleft().set_result(None)  # the slot passes on
-            return
-        self._in_flight -= 1
-        if self._in_flight == 0:
-            self._settled.set()
+        with self._lock:
+            while self._slot_waiters and self._posted - self._done < self.max_in_flight:
+                fut = self._slot_waiters.popleft()
+                if not fut.done():
+                    self._posted += 1
+                    fut.set_result(None)
+            settled = self._posted == self._done
+            self._wake_wanted = bool(self._slot_waiters or (self._settle_waiters and not settled))
+        if settled:
+            waiters, self._settle_waiters = self._settle_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _release(self) -> None:
+        """Give back a slot taken by a send that posted nothing."""
+        with self._lock:
+            self._posted -= 1
+        self._progress(None)
 
     async def _acquire_slot(self) -> None:
-        if self._in_flight < self.max_in_flight and not self._slot_waiters:
-            self._in_flight += 1
-            self._settled.clear()
-            return
+        with self._lock:
+            if not self._slot_waiters and self._posted - self._done < self.max_in_flight:
+                self._posted += 1
+                return
+            self._wake_wanted = True
         fut: asyncio.Future[None] = self._loop.create_future()
         self._slot_waiters.append(fut)
         try:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._observed(None)  # a slot was handed over as we left: pass it on
+                self._release()  # a slot was handed over as we left: pass it on
             elif fut in self._slot_waiters:
                 self._slot_waiters.remove(fut)
             raise
@@ -226,9 +319,11 @@ class SendLink:
             return
         self._error = LinkError(self.peer, reason)
         log.warning("link.failed", peer=self.peer, tag=self.tag, side="send", reason=reason)
-        while self._slot_waiters:
-            self._slot_waiters.popleft().set_exception(self._error)
-        self._settled.set()
+        waiters, self._settle_waiters = [*self._slot_waiters, *self._settle_waiters], []
+        self._slot_waiters.clear()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(self._error)
         if self._inbox is not None:
             self._inbox.fail(self._error)
 
@@ -249,9 +344,18 @@ class RecvLink:
     Construct it on the event loop thread."""
 
     def __init__(
-        self, peer: int, tag: int, inbox: Inbox, *, group: dist.ProcessGroup | None = None
+        self,
+        peer: int,
+        tag: int,
+        inbox: Inbox,
+        *,
+        group: dist.ProcessGroup | None = None,
+        expect: Expectation | None = None,
     ) -> None:
-        self.peer, self.tag = peer, tag
+        self.peer, self.tag, self.tensor_tag = peer, tag, tensor_tag(tag)
+        # Receives posted ahead for announced tensors, oldest first; the
+        # reader thread alone touches it.
+        self._announcements: Announcements[_Pending] = Announcements(expect)
         self._group = group if group is not None else dist.group.WORLD
         self._inbox = inbox
         self._trace = logs.tracing()
@@ -282,13 +386,15 @@ class RecvLink:
         return True
 
     def _read(self) -> None:
-        """Reader thread: receive frames until the final one or a failure."""
+        """Reader thread: receive frames until the final one or a failure.
+        Two head buffers take turns: one is posted while the other is read."""
         reason, failed = f"rank {self.peer} shut the link down", False
         try:
-            header, final = codec.empty_header(), False
-            self._posted = [self._post(header)]
+            head, spare, final = codec.empty_head(), codec.empty_head(), False
+            self._posted = [self._post(head, self.tag)]
             while not final:
-                msg, tensors, header, final = self._receive_frame(header)
+                msg, tensors, final = self._receive_frame(head, spare)
+                head, spare = spare, head
                 if not _call_on_loop(self._loop, self._inbox.put, msg, tensors):
                     return
         except Exception as exc:  # gloo errors and bad frames alike end the link
@@ -296,32 +402,81 @@ class RecvLink:
         _call_on_loop(self._loop, self._end, reason, failed)
 
     def _receive_frame(
-        self, header: torch.Tensor
-    ) -> tuple[Message, tuple[torch.Tensor, ...], torch.Tensor, bool]:
-        """Finish the frame whose header receive is posted; returns its message,
-        its tensors, the next header buffer (already posted) and finality."""
+        self, head: torch.Tensor, following: torch.Tensor
+    ) -> tuple[Message, tuple[torch.Tensor, ...], bool]:
+        """Finish the frame whose head receive is posted, and post the next
+        head into `following`; returns the message, its tensors, finality."""
         self._posted[0].wait()
-        announced = codec.unpack_header(header)
-        payload = torch.empty(announced.payload_len, dtype=torch.uint8)
-        tensors = tuple(spec.empty() for spec in announced.tensors)
-        parts = [self._post(buf) for buf in (payload, *tensors)]
-        # The next header's receive goes up before this frame's parts land,
+        announced = codec.unpack_header(head)
+        parts = (
+            [torch.empty(announced.payload_len, dtype=torch.uint8)] if announced.overflow else []
+        )
+        inline = () if announced.preposted else tuple(s.empty() for s in announced.tensors)
+        posted = [self._post(buf, self.tag) for buf in (*parts, *inline)]
+        # The next head's receive goes up before this frame's parts land,
         # so the peer's next message never waits for this thread.
-        following = codec.empty_header()
-        self._posted = parts + ([] if announced.final else [self._post(following)])
-        for work in parts:
-            work.wait()
-        msg = codec.decode(memoryview(payload.numpy()))
+        self._posted = posted + ([] if announced.final else [self._post(following, self.tag)])
+        if announced.overflow:
+            posted[0].wait()
+            msg = codec.decode(memoryview(parts[0].numpy()))
+        else:
+            msg = codec.decode(codec.inline_payload(head, announced))
         if codec.is_final(msg) != announced.final:
             raise codec.FrameError(f"a {type(msg).__name__} frame has final={announced.final}")
-        self._posted = self._posted[len(parts) :]
+        tensors = self._announced_tensors(msg, announced)
+        self._expect_after(msg)
+        for work in posted[len(parts) :]:
+            work.wait()
+        self._posted = self._posted[len(posted) :]
+        tensors = inline if tensors is None else tensors
         if self._trace:
-            nbytes = header.nbytes + announced.payload_len + sum(t.nbytes for t in tensors)
+            nbytes = codec.HEAD_BYTES + sum(t.nbytes for t in (*parts, *tensors))
             _log_message("msg.received", msg, nbytes, self.peer)
-        return msg, tensors, following, announced.final
+        return msg, tensors, announced.final
 
-    def _post(self, buf: torch.Tensor) -> dist.Work:
-        return self._group.recv([buf], self.peer, self.tag)
+    def _announced_tensors(
+        self, msg: Message, announced: codec.FrameHeader
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The tensors of `msg` received ahead (after waiting for them), or
+        None when it carries its own; FrameError when the two ends disagree
+        about what is owed, which would otherwise desynchronise the stream."""
+        owed = self._announcements.owed_to(msg)
+        if announced.final:
+            drained = self._announcements.drain()
+            if bool(drained) != announced.preposted:
+                raise codec.FrameError(
+                    f"the final frame says preposted={announced.preposted} "
+                    f"with {len(drained)} Hidden(s) owed announced tensors"
+                )
+            for entry in drained:
+                _wait_all(entry.held)
+            return None
+        if (owed is not None) != announced.preposted:
+            raise codec.FrameError(
+                f"a {type(msg).__name__} frame says preposted={announced.preposted} "
+                f"but this end holds {'a' if owed else 'no'} receive for it"
+            )
+        if owed is None:
+            return None
+        if announced.tensors != owed.specs:
+            raise codec.FrameError(
+                f"Hidden of pass {owed.pass_id} announces {list(announced.tensors)}, "
+                f"owed {list(owed.specs)}"
+            )
+        self._announcements.pop()
+        _wait_all(owed.held)
+        return () if announced.placeholder else tuple(owed.held.buffers)
+
+    def _expect_after(self, msg: Message) -> None:
+        """Post receives for the tensors `msg` announces, in link order."""
+        specs = self._announcements.announced_by(msg)
+        if specs:
+            buffers = [s.empty() for s in specs]
+            works = [self._post(buf, self.tensor_tag) for buf in buffers]
+            self._announcements.add(msg, specs, _Pending(works, buffers))
+
+    def _post(self, buf: torch.Tensor, tag: int) -> dist.Work:
+        return self._group.recv([buf], self.peer, tag)
 
     def _end(self, reason: str, failed: bool) -> None:
         event = "link.failed" if failed else "link.closed"

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from ringserve.ring.announce import Expectation
 from ringserve.ring.faults import FaultPlan, FaultySend
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.link import RecvLink, SendLink
 from ringserve.ring.messages import Control, ControlKind
 
 MAX_IN_FLIGHT = 8
+
 
 @dataclass(frozen=True, slots=True)
 class RankSpec:
@@ -47,12 +49,16 @@ class RingEnds:
     last_rank: int
 
 
-def open_links(spec: RankSpec, faults: FaultPlan) -> RingEnds:
+def open_links(spec: RankSpec, faults: FaultPlan, expect: Expectation | None = None) -> RingEnds:
     """This rank's two links, each on the tag of its sending rank, with the
-    rank's link faults applied. Call on the rank's event loop."""
+    rank's link faults applied. Call on the rank's event loop. `expect`, the
+    same on every rank, lets a Decision announce its Hidden's tensors
+    (`ring/announce.py`)."""
+    if faults.ring_drops:
+        expect = None
     inbox = Inbox()
-    recv = RecvLink(spec.prev, spec.prev, inbox)
-    send = SendLink(spec.next, spec.rank, MAX_IN_FLIGHT, inbox=inbox)
+    recv = RecvLink(spec.prev, spec.prev, inbox, expect=expect)
+    send = SendLink(spec.next, spec.rank, MAX_IN_FLIGHT, inbox=inbox, expect=expect)
     return RingEnds(inbox, faults.wrap(send), recv, spec.world - 1)
 
 
