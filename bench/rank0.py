@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--top", type=int, default=0, help="also print the N costliest functions")
     args = ap.parse_args()
     llm = LLM(args.model, pp_size=2, torch_threads=1, max_batch=args.requests, dtype=args.dtype)
     ring = llm._ring
@@ -126,6 +127,8 @@ def main() -> None:
     print(f"  rank 0 loop thread: {box['cpu'] / passes * 1e3:.3f} ms CPU per pass")
     for part, seconds in sorted(by_part(box["profile"]).items(), key=lambda kv: -kv[1]):
         print(f"    {part:22s} {seconds / passes * 1e3:8.3f} ms per pass (profiled)")
+    if args.top:
+        pstats.Stats(box["profile"]).sort_stats("tottime").print_stats(args.top)
     ring_ms, alone_ms = statistics.median(in_ring) * 1e3, statistics.median(alone) * 1e3
     print(f"  rank 0 forward: {ring_ms:.3f} ms in the ring, {alone_ms:.3f} ms alone "
           f"(same passes re-run on an idle loop): {ring_ms / alone_ms:.2f}x (goal <= 1.1)")

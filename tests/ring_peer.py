@@ -317,8 +317,15 @@ SCENARIOS: dict[str, Callable[[Peer], Awaitable[None]]] = {
 
 
 def drop_handles() -> None:
-    """The mutation: pretend each message completed and drop its handles."""
-    SendLink._retain = lambda self, pending: self._complete(None)
+    """The mutation: post each message's sends and drop their handles (and
+    buffers) at once, reporting nothing to wait on."""
+
+    def post_and_drop(self, out):
+        for buf, tag in out.parts:
+            self._group.send([buf.clone()], self.peer, tag)
+        return [], None
+
+    SendLink._post = post_and_drop
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -80,6 +80,15 @@ def tensor_tag(tag: int) -> int:
 
 
 @dataclass(slots=True)
+class _Outgoing:
+    """One message for the sender thread: its parts (buffer, tag) in order,
+    and every buffer they read, kept until the sends completed."""
+
+    parts: list[tuple[torch.Tensor, int]]
+    buffers: list[torch.Tensor]
+
+
+@dataclass(slots=True)
 class _Pending:
     """One message handed to gloo: its Work handles and the buffers they read."""
 
@@ -90,6 +99,17 @@ class _Pending:
 def _wait_all(pending: _Pending) -> None:
     for work in pending.works:
         work.wait()
+
+
+def _wait_works(works: list[dist.Work]) -> str | None:
+    """Wait on every handle; the first failure's reason, if any."""
+    reason = None
+    for work in works:
+        try:
+            work.wait()
+        except Exception as exc:  # gloo raises RuntimeError subclasses
+            reason = reason or str(exc)
+    return reason
 
 
 class SendLink:
@@ -133,7 +153,7 @@ class SendLink:
         self._settle_waiters: list[asyncio.Future[None]] = []
         self._error: LinkError | None = None
         self._shut = False
-        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._observe, name=f"ring-send-{peer}", daemon=True)
         self._thread.start()
 
@@ -166,22 +186,18 @@ class SendLink:
             self._release()  # nothing was posted: hand the slot back
             raise
         self._shut = codec.is_final(msg)
-        works: list[dist.Work] = []
-        buffers = [*fr.buffers, *ahead]
-        try:
-            works.append(self._group.send([fr.head], self.peer, self.tag))
-            if fr.payload is not None:
-                works.append(self._group.send([fr.payload], self.peer, self.tag))
-            tag = self.tensor_tag if fr.flags & codec.PREPOSTED else self.tag
-            for t in (*fr.tensors, *ahead):
-                works.append(self._group.send([t], self.peer, tag))
-        except RuntimeError as exc:
-            self._fail(str(exc))
-        finally:
-            self._retain(_Pending(works, buffers))
+        tag = self.tensor_tag if fr.flags & codec.PREPOSTED else self.tag
+        parts = [(fr.head, self.tag)]
+        if fr.payload is not None:
+            parts.append((fr.payload, self.tag))
+        parts += [(t, tag) for t in (*fr.tensors, *ahead)]
+        # The sender thread posts the parts, in order, and waits on them: a
+        # gloo send can block its caller while it writes, and the loop must
+        # not wait for that.
+        self._queue.put(_Outgoing(parts, [*fr.buffers, *ahead]))
         self._raise_if_failed()
         if self._trace:
-            _log_message("msg.sent", msg, sum(b.nbytes for b in buffers), self.peer)
+            _log_message("msg.sent", msg, sum(b.nbytes for b, _ in parts), self.peer)
 
     def _frame(
         self, msg: Message, tensors: Sequence[torch.Tensor]
@@ -245,23 +261,35 @@ class SendLink:
             await self.send(Control(kind=ControlKind.SHUTDOWN, rank=self._group.rank()))
         await self.flush()
 
-    def _retain(self, pending: _Pending) -> None:
-        # Hand the handles to the sender thread, which holds them until their
-        # waits return. Dropping them here is the bug this class exists to
-        # prevent: the send is aborted and the peer waits for ever.
-        self._queue.put(pending)
-
     def _observe(self) -> None:
-        """Sender thread: wait on each message's Work handles in posting order."""
-        while (pending := self._queue.get()) is not None:
-            reason = None
-            for work in pending.works:
-                try:
-                    work.wait()
-                except Exception as exc:  # gloo raises RuntimeError subclasses
-                    reason = reason or str(exc)
-            if not self._complete(reason):
+        """Sender thread: post each message's parts in order, then wait on
+        their Work handles, holding handles and buffers until the waits
+        return (dropping them aborts the send and the peer waits for ever).
+        Messages queued meanwhile are posted before the first wait, so
+        several can be on the wire at once."""
+        while (first := self._queue.get()) is not None:
+            batch, last = [first], False
+            while not self._queue.empty() and not last:
+                nxt = self._queue.get_nowait()
+                last = nxt is None
+                if nxt is not None:
+                    batch.append(nxt)
+            posted = [self._post(out) for out in batch]
+            for works, reason in posted:
+                reason = _wait_works(works) or reason
+                if not self._complete(reason):
+                    return
+            if last:
                 return
+
+    def _post(self, out: _Outgoing) -> tuple[list[dist.Work], str | None]:
+        works: list[dist.Work] = []
+        try:
+            for buf, tag in out.parts:
+                works.append(self._group.send([buf], self.peer, tag))
+        except RuntimeError as exc:
+            return works, str(exc)
+        return works, None
 
     def _complete(self, reason: str | None) -> bool:
         """Count one message observed complete (any thread); wake the loop
