@@ -238,9 +238,6 @@ class Plan:
         the ring's pace, one pass per its stage time."""
         return max(self.ledger, key=lambda e: e.stage_time)
 
-    def layers_of(self, rank: int) -> range:
-        return self.ledger[rank].layers
-
     def table(self) -> str:
         """One row per rank, figures in MiB with their provenance, then totals."""
         head = (

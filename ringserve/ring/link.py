@@ -395,11 +395,6 @@ class RecvLink:
         self._thread = threading.Thread(target=self._read, name=f"ring-recv-{peer}", daemon=True)
         self._thread.start()
 
-    @property
-    def ended(self) -> bool:
-        """Whether the reader has stopped (peer shut down, or link failed)."""
-        return self._ended.done()
-
     async def close(self, timeout_s: float = 5.0) -> bool:
         """Wait up to `timeout_s` for the reader to stop, which it does once
         the peer's SHUTDOWN has arrived; returns whether it stopped. A reader
