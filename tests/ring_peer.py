@@ -281,7 +281,7 @@ async def retention(peer: Peer) -> None:
         except LinkError as exc:
             report("peer.gone", peer=exc.peer)
         return
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(3.0)  # long enough for rank 0 to have sent, on a loaded machine too
     peer.open_recv()
     owed = watched(peer.inbox.get(Hidden), Owed(0, Hidden, 0), 0.5, peer.health)
     task = asyncio.ensure_future(owed)

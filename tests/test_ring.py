@@ -85,6 +85,23 @@ def test_voided_passes_are_retried_and_outputs_unchanged(llama, monkeypatch):
         assert_no_rank_left(llm)
 
 
+def test_a_request_that_breaks_its_passes_fails_alone(llama, monkeypatch):
+    """Request 2's own input fails every pass it rides in on rank 1: it is
+    retried alone and fails with the reason; its neighbours' outputs are
+    exactly what they would have been."""
+    path, prompts, expected = llama
+    monkeypatch.setenv("RINGSERVE_FAULTS", "fail:rank=1:req=2")
+    llm = LLM(path, pp_size=2, **RING_OPTIONS)
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        bad = outs[2]
+        assert bad.finish_reason.startswith("error") and "injected failure of request 2" in bad.finish_reason
+        assert [o.token_ids for i, o in enumerate(outs) if i != 2] == expected[:2] + expected[3:]
+        assert all(o.finish_reason == "length" for i, o in enumerate(outs) if i != 2)
+    finally:
+        assert_no_rank_left(llm)
+
+
 def test_a_crashed_rank_is_named_and_nothing_is_left(llama, monkeypatch):
     path, prompts, _ = llama
     monkeypatch.setenv("RINGSERVE_FAULTS", "crash:rank=2:pass=10")

@@ -284,3 +284,32 @@ def test_a_fat_pass_gives_its_surplus_to_the_next_one(factory):
     sizes = [len(d.entries) for d in run_all(sched)]
     assert max(sizes) <= 2, sizes
     assert all(len(r.output) == 9 for r in long)
+
+
+def test_a_request_whose_passes_always_void_fails_alone(factory):
+    """A void of a shared pass charges nobody and sends each of its requests
+    alone; only the culprit's lone passes void again, so it alone spends its
+    retries and fails, and the others finish untouched."""
+    sched = make(max_retries=2)
+    reqs = [submit(sched, factory, [i, 30 + i, 60 + i], max_tokens=4) for i in range(4)]
+    culprit = reqs[2]
+    first = sched.schedule()
+    assert len(first.entries) == 4
+    sched.on_void(Void(first.pass_id, 1, "forward raised"))
+    assert [r.retries for r in reqs] == [0, 0, 0, 0] and all(r.solo for r in reqs)
+    for _ in range(200):
+        d = sched.schedule()
+        if d is None:
+            break
+        ids = {e.req_id for e in d.entries}
+        if any(r.req_id in ids and r.solo for r in reqs):
+            assert len(ids) == 1, "a request under suspicion shared its pass"
+        if culprit.req_id in ids:
+            sched.on_void(Void(d.pass_id, 1, "forward raised"))
+        else:
+            sched.on_output(oracle(d))
+        check_census(sched.census())
+    assert sched.idle
+    assert culprit.finish_reason.startswith("error") and "forward raised" in culprit.finish_reason
+    assert all(r.finish_reason == "length" and len(r.output) == 4 for r in reqs if r is not culprit)
+    assert not any(r.solo for r in reqs if r is not culprit)

@@ -78,6 +78,9 @@ class FaultyStage(Stage):
     ) -> torch.Tensor | Output:
         if self.faults.should_void(decision.pass_id):
             raise PassFailed("injected void")
+        failing = [e.req_id for e in decision.entries if e.req_id in self.faults.fail_requests]
+        if failing:
+            raise PassFailed(f"injected failure of request {failing[0]}")
         if delay := self.faults.slow_s(len(self.runner.layers)):
             time.sleep(delay)
         return super().compute(decision, rows, hidden)

@@ -6,6 +6,9 @@ comma-separated rules, each `action:key=value:...`:
 * `drop:rank=R:kind=hidden:pass=P`   rank R does not send that message
   (`kind` is a message tag: decision, hidden, output, void, control);
 * `crash:rank=R:pass=P`   rank R exits abruptly (os._exit) at pass P;
+* `fail:rank=R:req=N`   rank R cannot run any pass that carries request N
+  (request ids count from 0 on rank 0), as if that request's own input broke
+  the forward;
 * `slow:rank=R:ms=M`   rank R sleeps M ms per forward;
 * `slow:rank=R:ms_per_layer=M`   rank R sleeps M ms per layer it holds per
   forward, so it looks M ms per layer slower (the planner's speeds).
@@ -40,9 +43,10 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "drop": ("rank", "kind", "pass"),
     "crash": ("rank", "pass"),
     "slow": ("rank", "ms", "ms_per_layer"),
+    "fail": ("rank", "req"),
 }
 _ONE_OF = {"slow": ("ms", "ms_per_layer")}  # exactly one of these, not all
-_MINIMUM = {"rank": 0, "every": 1, "pass": 0, "ms": 0, "ms_per_layer": 0}
+_MINIMUM = {"rank": 0, "every": 1, "pass": 0, "ms": 0, "ms_per_layer": 0, "req": 0}
 _KINDS: dict[str, type[Message]] = {t.__struct_config__.tag: t for t in MESSAGE_TYPES}
 
 
@@ -114,6 +118,7 @@ class FaultPlan:
     void_every: frozenset[int] = field(default_factory=frozenset)
     drops: frozenset[tuple[type[Message], int]] = field(default_factory=frozenset)
     crash_passes: frozenset[int] = field(default_factory=frozenset)
+    fail_requests: frozenset[int] = field(default_factory=frozenset)
     slow_ms: int = 0
     slow_ms_per_layer: int = 0
     # Some rank of the ring drops messages: then no link announces tensors
@@ -134,6 +139,7 @@ class FaultPlan:
             void_every=frozenset(r.fields["every"] for r in mine if r.action == "void"),
             drops=frozenset((r.kind, r.fields["pass"]) for r in mine if r.action == "drop"),
             crash_passes=frozenset(r.fields["pass"] for r in mine if r.action == "crash"),
+            fail_requests=frozenset(r.fields["req"] for r in mine if r.action == "fail"),
             slow_ms=slow[0].get("ms", 0) if slow else 0,
             slow_ms_per_layer=slow[0].get("ms_per_layer", 0) if slow else 0,
             ring_drops=any(r.action == "drop" for r in rules),
@@ -151,7 +157,8 @@ class FaultPlan:
     @property
     def touches_stage(self) -> bool:
         """Whether any rule acts on the stage (all but drops, which act on the link)."""
-        return bool(self.void_every or self.crash_passes or self.slow_ms or self.slow_ms_per_layer)
+        slow = self.slow_ms or self.slow_ms_per_layer
+        return bool(self.void_every or self.crash_passes or self.fail_requests or slow)
 
     def slow_s(self, layers: int) -> float:
         """Seconds a forward over `layers` layers sleeps (0: no slow rule)."""

@@ -34,6 +34,8 @@ class Admission:
         """Admit waiting requests into `draft` while it has room."""
         while self.table.waiting and draft.has_room(self.max_batch):
             req = self.table.waiting[0]
+            if not draft.takes(req):
+                return
             reuse, node = self.kv.match(req)
             if self._prefix_pending(req, len(reuse)):
                 log.debug("request.deferred", req=req.req_id, cached=len(reuse))

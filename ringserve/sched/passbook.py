@@ -20,21 +20,28 @@ class Pass:
 @dataclass(slots=True)
 class Draft:
     """A pass being assembled: its token budget, the requests it may still
-    take (`share`), and what it holds so far."""
+    take (`share`), and what it holds so far. A `solo` request (one under
+    suspicion after a void) rides in a pass of its own."""
 
     budget: int
     slot: int
     share: int
+    solo: bool = False
     entries: list[Entry] = field(default_factory=list)
     reqs: list[Request] = field(default_factory=list)
     admitted: list[NewRequest] = field(default_factory=list)
 
     def has_room(self, max_batch: int) -> bool:
-        return self.budget > 0 and len(self.entries) < min(max_batch, self.share)
+        return not self.solo and self.budget > 0 and len(self.entries) < min(max_batch, self.share)
+
+    def takes(self, req: Request) -> bool:
+        """Whether `req` may join: a solo request only an empty pass."""
+        return not req.solo or not self.entries
 
     def add(self, req: Request, slots: list[int], reuse: list[int] | None) -> None:
         """The request extends its row by `slots` in this pass (after
         taking `reuse` as its row, for an admission)."""
+        self.solo = req.solo
         start = len(req.row)
         tokens = req.tokens[start : start + len(slots)]
         sample = len(slots) == req.pending

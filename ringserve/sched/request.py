@@ -38,6 +38,7 @@ class Request:
     cached_tokens: int = 0
     in_flight: bool = False
     retries: int = 0
+    solo: bool = False  # rode in a voided pass: runs alone until a pass of it succeeds
     finish_reason: str | None = None
     abort_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)

@@ -154,7 +154,7 @@ class Scheduler:
         for req in list(self.running):
             if not draft.has_room(self.config.max_batch):
                 return
-            if req.in_flight or req.phase is not Phase.RUNNING:
+            if req.in_flight or req.phase is not Phase.RUNNING or not draft.takes(req):
                 continue
             n = min(req.pending, self.config.chunk_size, draft.budget)
             slots = self.relief.alloc(n, draft, asker=req)
@@ -167,7 +167,7 @@ class Scheduler:
         self.fallbacks += out.fallbacks
         sampled = iter(range(len(out.tokens)))
         for entry, req in zip(record.decision.entries, record.reqs, strict=True):
-            req.retries = 0  # the budget bounds consecutive voids
+            req.retries, req.solo = 0, False  # the budget bounds consecutive voids
             if entry.sample:
                 self._take_token(req, out, next(sampled))
             elif self.config.prefix_reuse and req.prefilling:
@@ -192,8 +192,12 @@ class Scheduler:
 
     def on_void(self, void: Void) -> list[Request]:
         """Roll a voided pass back: free what it allocated, restore each
-        request to its pre-pass state, requeue within the retry budget."""
+        request to its pre-pass state, requeue within the retry budget. A
+        void of a pass of several requests charges none of them: each is
+        retried alone, so a request whose own input breaks the forward
+        spends its own retries, fails alone, and leaves the others whole."""
         record = self.passes.settle(void.pass_id)
+        alone = len(record.reqs) == 1
         self.voids += 1
         log.warning("pass.void", pass_id=void.pass_id, void_rank=void.rank, reason=void.reason)
         for entry, req in reversed(list(zip(record.decision.entries, record.reqs, strict=True))):
@@ -201,7 +205,10 @@ class Scheduler:
             if entry.reuse is not None:  # the pass admitted it: back to the queue
                 self.kv.release(req)
                 self.table.requeue(req)
-            req.retries += 1
+            if alone:
+                req.retries += 1
+            else:
+                req.solo = True
             if req.abort_reason or req.retries > self.config.max_retries:
                 why = (
                     req.abort_reason
