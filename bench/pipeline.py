@@ -1,7 +1,9 @@
 """Pipeline efficiency and event-loop stalls, measured side by side in one run.
 
-Efficiency = tokens/s at pp 2 (one torch thread per rank) / (2 x tokens/s at
-pp 1 with one thread), on a decode-heavy workload over the built-in model.
+Efficiency = tokens/s at pp N (one torch thread per rank) / (N x tokens/s at
+pp 1 with one thread), on a decode-heavy workload over the built-in model or
+`--model DIR`; `--passes-in-flight 2,3` runs one ring per micro-batch depth,
+interleaved round by round, so the depths are compared under the same load.
 The machine's own ceiling is measured beside it: two independent one-rank
 engines in two processes at once, whose summed tokens/s over 2 x pp 1 says
 how much two ranks on this machine can gain at best (two vCPUs need not give
@@ -9,6 +11,7 @@ twice the throughput). The stall figure is the longest delay a 1 ms ticker on
 rank 0's event loop sees while passes run (forwards run in an executor
 thread). Usage:
     .venv/bin/python bench/pipeline.py [--requests 32] [--new-tokens 96] [--rounds 3]
+        [--pp 2] [--passes-in-flight 2,3] [--model DIR] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ async def ticker(stop: asyncio.Event, period_s: float = 0.001) -> float:
 
 def solo(args: argparse.Namespace) -> None:
     """One single-rank engine, started at the same moment as a twin."""
-    llm = LLM(torch_threads=1, max_batch=args.requests)
+    llm = LLM(args.model, dtype=args.dtype, torch_threads=1, max_batch=args.requests)
     vocab = llm.tokenizer.vocab_size
     tokens_per_s(llm, workload(4, vocab, -1), 8)
     print(tokens_per_s(llm, workload(args.requests, vocab, args.seed), args.new_tokens), flush=True)
@@ -69,6 +72,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--passes-in-flight", default=None, help="depths to compare, e.g. 2,3 (default: the engine's)")
+    ap.add_argument("--model", default=None, help="model directory (default: the built-in model)")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -76,37 +83,38 @@ def main() -> None:
         solo(args)
         return
     both = ceiling(args)
-    one = LLM(torch_threads=1, max_batch=args.requests)
-    two = LLM(pp_size=2, torch_threads=1, max_batch=args.requests)
+    common = dict(dtype=args.dtype, torch_threads=1, max_batch=args.requests)
+    one = LLM(args.model, **common)
+    depths = [None] if args.passes_in_flight is None else [int(x) for x in args.passes_in_flight.split(",")]
     vocab = one.tokenizer.vocab_size
     tokens_per_s(one, workload(4, vocab, -1), 8)
-    tokens_per_s(two, workload(4, vocab, -1), 8)
-    pp1, pp2, stalls = [], [], []
-    loop = two._ring.loop
+    pp1: list[float] = []
+    ring_rates: dict[int | None, list[float]] = {s: [] for s in depths}
+    stalls: list[float] = []
     for r in range(args.rounds):
         prompts = workload(args.requests, vocab, r)
         pp1.append(tokens_per_s(one, prompts, args.new_tokens))
-        stop = asyncio.Event()
-        watch = asyncio.run_coroutine_threadsafe(ticker(stop), loop)
-        pp2.append(tokens_per_s(two, prompts, args.new_tokens))
-        loop.call_soon_threadsafe(stop.set)
-        stalls.append(watch.result(timeout=10))
+        for s in depths:  # one process group per process: one ring at a time
+            with LLM(args.model, pp_size=args.pp, passes_in_flight=s, **common) as llm:
+                tokens_per_s(llm, workload(4, vocab, -1), 8)
+                stop = asyncio.Event()
+                watch = asyncio.run_coroutine_threadsafe(ticker(stop), llm._ring.loop)
+                ring_rates[s].append(tokens_per_s(llm, prompts, args.new_tokens))
+                llm._ring.loop.call_soon_threadsafe(stop.set)
+                stalls.append(watch.result(timeout=10))
     one.close()
-    two.close()
-    best1, best2 = max(pp1), max(pp2)
-    print(
-        f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, one thread per rank"
-    )
+    best1, n = max(pp1), args.pp
+    print(f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, one thread per rank, {args.dtype}")
     print(f"  pp 1: {best1:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in pp1)})")
-    print(f"  pp 2: {best2:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in pp2)})")
-    print(f"  pipeline efficiency pp2 / (2 x pp1) = {best2 / (2 * best1):.2f} (goal >= 0.8)")
-    print(
-        f"  machine ceiling: two independent 1-rank engines at once = {both:.1f} tok/s, "
-        f"{both / (2 * best1):.2f} of 2 x pp1; the ring reaches {best2 / both:.2f} of it"
-    )
-    print(
-        f"  longest rank-0 loop stall during pp 2 passes: {max(stalls) * 1e3:.1f} ms (goal < 20 ms)"
-    )
+    for s, rates in ring_rates.items():
+        best = max(rates)
+        depth = "default depth" if s is None else f"{s} passes in flight"
+        print(f"  pp {n}, {depth}: {best:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in rates)})")
+        print(f"    efficiency pp{n} / ({n} x pp1) = {best / (n * best1):.2f}; "
+              f"{best / both:.2f} of the machine's ceiling")  # fmt: skip
+    print(f"  machine ceiling: two independent 1-rank engines at once = {both:.1f} tok/s, "
+          f"{both / (2 * best1):.2f} of 2 x pp1")
+    print(f"  longest rank-0 loop stall during ring passes: {max(stalls) * 1e3:.1f} ms (goal < 20 ms)")
 
 
 if __name__ == "__main__":
