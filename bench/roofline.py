@@ -109,7 +109,7 @@ class ForwardLoop:
                 row.append(row[-1] + 1)
             batch = ForwardBatch.build(rows, [1] * self.bsz, [True] * self.bsz)
             hidden = self.model(tokens, batch, self.pool)
-            tokens = self.model.logits(hidden[batch.sample_rows]).argmax(-1)
+            tokens = self.model.logits(hidden[batch.sample_rows]).max(-1).indices
         return clock.rates(self.bsz * steps)
 
 
