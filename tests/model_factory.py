@@ -23,6 +23,9 @@ stable.
                   256: deep enough for the memory planner to split unevenly.
     bigcode_mqa   GPT-BigCode, 3 layers, n_embd 64, 4 heads, multi-query,
                   n_inner 160, gelu_pytorch_tanh, vocab 320.
+    llama_100m    Llama, 8 layers, hidden 1024, 16 heads / 8 KV heads,
+                  intermediate 2816, vocab 8192, untied: about 111M
+                  parameters, for benchmarks (bench/roofline.py), not tests.
 """
 
 from __future__ import annotations
@@ -101,6 +104,26 @@ def llama_deep(tmp: Path) -> Path:
         eos_token_id=1,
     )
     return _save(LlamaForCausalLM, cfg, tmp / "llama_deep", seed=13)
+
+
+def llama_100m(tmp: Path) -> Path:
+    """A Llama of benchmark size (about 111M parameters, 445 MB in float32)."""
+    cfg = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    return _save(LlamaForCausalLM, cfg, tmp / "llama_100m", seed=15)
 
 
 def qwen2_tied(tmp: Path) -> Path:

@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from ringserve.cache.pool import KVPool
+from ringserve.kernels import ops
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.models import ModelSlice, build_model
 from ringserve.models.config import ModelConfig
@@ -137,6 +139,23 @@ def test_decode_steps_after_prefill_match_transformers(family: Family) -> None:
         )
         expected = torch.cat([f[n - e : n] for f, n, e in zip(full, now, extend, strict=True)])
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-5, msg=f"step {step}")
+
+
+def test_forward_through_the_triton_kernels_equals_the_reference_path(family: Family) -> None:
+    # The switch picks Triton for CUDA tensors only; forcing it sends these
+    # CPU tensors to the kernels under the interpreter (conftest sets it).
+    lens = [9, 4]
+    tokens = random_tokens(family.cfg, lens, seed=6)
+    rows = scattered_rows([n + 1 for n in lens], 6)
+    results = []
+    for triton in (False, True):
+        with mock.patch.object(ops, "uses_triton", lambda device, on=triton: on):
+            pool = pool_for(family.ours)
+            prefill = run_pass([(family.ours, pool)], tokens, [r[:-1] for r in rows], lens)
+            nxt = [torch.cat([t, t[:1]]) for t in tokens]
+            decode = run_pass([(family.ours, pool)], nxt, rows, [1, 1])
+        results.append(torch.cat([prefill, decode]))
+    torch.testing.assert_close(results[1], results[0], atol=ATOL, rtol=1e-5)
 
 
 def test_two_stage_split_equals_whole_model_at_every_boundary(family: Family) -> None:

@@ -21,8 +21,8 @@ def store_kv_reference(
     v: torch.Tensor,
 ) -> None:
     """Write the new tokens' K and V rows ([T, Hkv, D]) at their slots."""
-    k_cache[out_slots] = k.to(k_cache.dtype)
-    v_cache[out_slots] = v.to(v_cache.dtype)
+    k_cache.index_copy_(0, out_slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
 
 
 def paged_attention_reference(

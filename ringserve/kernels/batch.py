@@ -64,9 +64,57 @@ class ForwardBatch:
         for n, e in zip(seq_lens, extend_lens, strict=True):
             if not 0 < e <= n:
                 raise ValueError(f"extend length {e} outside 1..{n}")
-        bsz, width, q_max = len(rows), max(seq_lens), max(extend_lens)
+        width = max(seq_lens)
         req_slots = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
         seq_t = torch.tensor(seq_lens, dtype=torch.int64)
+        dev = torch.device(device)
+        if max(extend_lens) == 1:
+            return cls._decode(rows, req_slots, seq_t, sample, dev)
+        return cls._extend(req_slots, seq_t, extend_lens, sample, dev)
+
+    @classmethod
+    def _decode(
+        cls,
+        rows: list[list[int]],
+        req_slots: torch.Tensor,
+        seq_t: torch.Tensor,
+        sample: list[bool],
+        dev: torch.device,
+    ) -> ForwardBatch:
+        """`_extend`'s tensors for a pass of one new token per sequence, from
+        fewer ops: row b is query b, at position seq_len - 1."""
+        bsz, width = req_slots.shape
+        rows_t = torch.arange(bsz, dtype=torch.int64)
+        mask = torch.arange(width, dtype=torch.int64)[None, :] < seq_t[:, None]
+        return cls(
+            positions=(seq_t - 1).to(dev),
+            out_slots=torch.tensor([r[-1] for r in rows], dtype=torch.int64).to(dev),
+            req_slots=req_slots.to(dev),
+            seq_lens=seq_t.to(dev),
+            extend_lens=torch.ones(bsz, dtype=torch.int64).to(dev),
+            qo_indptr=torch.arange(bsz + 1, dtype=torch.int64).to(dev),
+            q_index=rows_t[:, None].to(dev),
+            q_valid=torch.ones(bsz, 1, dtype=torch.bool).to(dev),
+            valid_rows=rows_t.to(dev),
+            attn_mask=mask[:, None, None, :].to(dev),
+            sample_rows=torch.tensor([b for b, s in enumerate(sample) if s], dtype=torch.int64).to(
+                dev
+            ),
+            max_extend=1,
+            num_tokens=bsz,
+        )
+
+    @classmethod
+    def _extend(
+        cls,
+        req_slots: torch.Tensor,
+        seq_t: torch.Tensor,
+        extend_lens: list[int],
+        sample: list[bool],
+        dev: torch.device,
+    ) -> ForwardBatch:
+        bsz, width = req_slots.shape
+        q_max = max(extend_lens)
         ext_t = torch.tensor(extend_lens, dtype=torch.int64)
         indptr = torch.zeros(bsz + 1, dtype=torch.int64)
         indptr[1:] = torch.cumsum(ext_t, 0)
@@ -82,7 +130,6 @@ class ForwardBatch:
         positions = q_pos[q_valid]
         out_slots = req_slots[torch.arange(bsz)[:, None], q_pos.clamp(max=width - 1)][q_valid]
         sample_rows = (indptr[1:] - 1)[torch.tensor(sample, dtype=torch.bool)]
-        dev = torch.device(device)
         return cls(
             positions=positions.to(dev),
             out_slots=out_slots.to(dev),

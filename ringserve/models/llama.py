@@ -102,22 +102,21 @@ class LlamaLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         cfg = self.cfg
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
-        k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
-        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        hq, hkv = cfg.num_heads, cfg.num_kv_heads
+        heads = F.linear(x, self.qkv, self.qkv_bias).unflatten(-1, (hq + 2 * hkv, cfg.head_dim))
+        qk, v = heads.split([hq + hkv, hkv], dim=1)
         if self.q_norm is not None:
-            q = ops.rmsnorm(q, self.q_norm, cfg.norm_eps)
-            k = ops.rmsnorm(k, self.k_norm, cfg.norm_eps)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q = ops.rmsnorm(qk[:, :hq], self.q_norm, cfg.norm_eps)
+            qk = torch.cat((q, ops.rmsnorm(qk[:, hq:], self.k_norm, cfg.norm_eps)), dim=1)
+        # q and k are rotated together: one rope over [T, Hq + Hkv, D].
+        q, k = apply_rope(qk, *rope).split([hq, hkv], dim=1)
         ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)
         return F.linear(out.flatten(-2), self.o, self.o_bias)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        return F.linear(F.silu(gate).mul_(up), self.down, self.down_bias)
 
 
 class LlamaModel(ModelSlice):

@@ -55,15 +55,20 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin): the sine's first half is negated, so that
+        `apply_rope` rotates with one roll instead of a negation and a cat."""
         # Angles in float32 whatever the model dtype, then cast, as the reference does.
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = emb.sin()
+        sin[:, : freqs.shape[1]].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, H, D] queries or keys by the "rotate half" convention of
-    Hugging Face checkpoints (first half of each head pairs with the second)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, H, D] queries or keys (or both, stacked along H) by the
+    "rotate half" convention of Hugging Face checkpoints (first half of each
+    head pairs with the second): x * cos + cat(-x2, x1) * sin, where
+    roll(x, D/2) is cat(x2, x1) and the sign sits in `signed_sin`."""
+    out = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
+    return out.addcmul_(x, cos)
