@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -97,10 +98,12 @@ class Peer:
     def open_recv(self) -> None:
         self.recv = RecvLink(self.prev, TAG, self.inbox, expect=self.expect)
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
+        """Close both links; whether every link thread stopped."""
         await self.send.close(timeout_s=1.0)
         if self.recv is not None:
             await self.recv.close(timeout_s=1.0)
+        return self.send.stopped and (self.recv is None or self.recv.stopped)
 
 
 async def fifo(peer: Peer) -> None:
@@ -338,7 +341,11 @@ async def main(args: argparse.Namespace) -> None:
     if args.scenario not in ("backpressure", "retention", "kill") or args.rank == 0:
         peer.open_recv()
     await SCENARIOS[args.scenario](peer)
-    await peer.close()
+    if not await peer.close():
+        # a link thread still blocked in gloo would abort a normal exit
+        report("peer.exit", rank=args.rank, abrupt=True)
+        sys.stdout.flush()
+        os._exit(0)
     close_group()
     report("peer.exit", rank=args.rank)
 

@@ -4,6 +4,7 @@ from the parent (no process outlives the one that started it)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -12,9 +13,13 @@ import time
 from pathlib import Path
 
 import msgspec
+import structlog
 
+from ringserve import logs
 from ringserve.config import EngineConfig
-from ringserve.ring.topology import RankSpec
+from ringserve.ring.topology import RankSpec, RingEnds
+
+log = structlog.get_logger(__name__)
 
 # A rank that exits because a link to it failed is a casualty, not a culprit.
 EXIT_LINK_FAILED = 3
@@ -96,3 +101,15 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def exit_now_if_stuck(ends: RingEnds, code: int) -> None:
+    """End a rank process at once, logs flushed, when one of its link
+    threads is still blocked in gloo: at a normal exit that thread would
+    return into a dying interpreter, which aborts (SIGABRT). Only for rank
+    processes, never the caller's process of an offline LLM."""
+    if ends.send.stopped and ends.recv.stopped:
+        return
+    log.warning("rank.exit_now", code=code, reason="a link thread is still blocked in gloo")
+    logs.flush()
+    os._exit(code)

@@ -17,7 +17,12 @@ from ringserve import logs
 from ringserve.config import EngineConfig, layer_range
 from ringserve.engine.follower import Follower
 from ringserve.launch.boot import build_stage, hidden_announcement, report_loaded
-from ringserve.launch.processes import EXIT_LINK_FAILED, decode_config, die_with_parent
+from ringserve.launch.processes import (
+    EXIT_LINK_FAILED,
+    decode_config,
+    die_with_parent,
+    exit_now_if_stuck,
+)
 from ringserve.models.config import ModelConfig
 from ringserve.ring.errors import LinkError
 from ringserve.ring.faults import FaultPlan
@@ -47,6 +52,7 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
         log.error("ring.failed", rank=spec.rank, peer=exc.peer, reason=exc.reason)
         return EXIT_LINK_FAILED
     await ends.recv.close(timeout_s=2.0)
+    exit_now_if_stuck(ends, 0)
     return 0
 
 

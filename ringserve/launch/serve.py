@@ -15,7 +15,7 @@ from ringserve.http.app import create_app
 from ringserve.http.options import HttpOptions
 from ringserve.http.server import serve
 from ringserve.launch.boot import build_rank_zero, build_stage, hidden_announcement, report_loaded
-from ringserve.launch.processes import EXIT_LINK_FAILED
+from ringserve.launch.processes import EXIT_LINK_FAILED, exit_now_if_stuck
 from ringserve.models.config import ModelConfig
 from ringserve.ring.faults import FaultPlan
 from ringserve.ring.topology import announce_ready, open_links
@@ -63,7 +63,10 @@ async def run_rank_zero(spec, config: EngineConfig, http: HttpOptions, ready_fil
         if conductor.failure is None:
             await ends.recv.close(timeout_s=5.0)
     conductor.executor.shutdown(wait=False, cancel_futures=True)
+    code = 0
     if conductor.failure is not None:
         log.error("server.stopped", reason=reason)
-        return EXIT_LINK_FAILED
-    return 0
+        code = EXIT_LINK_FAILED
+    if ends is not None and conductor.failure is None:
+        exit_now_if_stuck(ends, code)
+    return code

@@ -166,6 +166,12 @@ class SendLink:
     def error(self) -> LinkError | None:
         return self._error
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the sender thread has ended. One still blocked in gloo at
+        exit can abort the process: end it with `os._exit` instead."""
+        return not self._thread.is_alive()
+
     async def send(self, msg: Message, tensors: Sequence[torch.Tensor] = ()) -> None:
         """Post `msg` and its CPU `tensors` (at most `codec.MAX_TENSORS`) to the
         peer; returns once every part is handed to gloo, waiting first while
@@ -395,6 +401,11 @@ class RecvLink:
         self._thread = threading.Thread(target=self._read, name=f"ring-recv-{peer}", daemon=True)
         self._thread.start()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the reader thread has ended (see the module docstring on exiting)."""
+        return not self._thread.is_alive()
+
     async def close(self, timeout_s: float = 5.0) -> bool:
         """Wait up to `timeout_s` for the reader to stop, which it does once
         the peer's SHUTDOWN has arrived; returns whether it stopped. A reader
@@ -446,23 +457,25 @@ class RecvLink:
             msg = codec.decode(codec.inline_payload(head, announced))
         if codec.is_final(msg) != announced.final:
             raise codec.FrameError(f"a {type(msg).__name__} frame has final={announced.final}")
-        tensors = self._announced_tensors(msg, announced)
+        tensors, placeholders = self._announced_tensors(msg, announced)
         self._expect_after(msg)
         for work in posted[len(parts) :]:
             work.wait()
         self._posted = self._posted[len(posted) :]
         tensors = inline if tensors is None else tensors
         if self._trace:
-            nbytes = codec.HEAD_BYTES + sum(t.nbytes for t in (*parts, *tensors))
+            # placeholders crossed the wire too: count them as the sender does
+            nbytes = codec.HEAD_BYTES + placeholders + sum(t.nbytes for t in (*parts, *tensors))
             _log_message("msg.received", msg, nbytes, self.peer)
         return msg, tensors, announced.final
 
     def _announced_tensors(
         self, msg: Message, announced: codec.FrameHeader
-    ) -> tuple[torch.Tensor, ...] | None:
+    ) -> tuple[tuple[torch.Tensor, ...] | None, int]:
         """The tensors of `msg` received ahead (after waiting for them), or
-        None when it carries its own; FrameError when the two ends disagree
-        about what is owed, which would otherwise desynchronise the stream."""
+        None when it carries its own, and the bytes of placeholders received
+        for it; FrameError when the two ends disagree about what is owed,
+        which would otherwise desynchronise the stream."""
         owed = self._announcements.owed_to(msg)
         if announced.final:
             drained = self._announcements.drain()
@@ -473,14 +486,14 @@ class RecvLink:
                 )
             for entry in drained:
                 _wait_all(entry.held)
-            return None
+            return None, sum(b.nbytes for entry in drained for b in entry.held.buffers)
         if (owed is not None) != announced.preposted:
             raise codec.FrameError(
                 f"a {type(msg).__name__} frame says preposted={announced.preposted} "
                 f"but this end holds {'a' if owed else 'no'} receive for it"
             )
         if owed is None:
-            return None
+            return None, 0
         if announced.tensors != owed.specs:
             raise codec.FrameError(
                 f"Hidden of pass {owed.pass_id} announces {list(announced.tensors)}, "
@@ -488,7 +501,9 @@ class RecvLink:
             )
         self._announcements.pop()
         _wait_all(owed.held)
-        return () if announced.placeholder else tuple(owed.held.buffers)
+        if announced.placeholder:
+            return (), sum(b.nbytes for b in owed.held.buffers)
+        return tuple(owed.held.buffers), 0
 
     def _expect_after(self, msg: Message) -> None:
         """Post receives for the tensors `msg` announces, in link order."""
