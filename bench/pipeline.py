@@ -51,7 +51,7 @@ async def ticker(stop: asyncio.Event, period_s: float = 0.001) -> float:
 def solo(args: argparse.Namespace) -> None:
     """One single-rank engine, started at the same moment as a twin."""
     llm = LLM(args.model, dtype=args.dtype, torch_threads=1, max_batch=args.requests)
-    vocab = llm.tokenizer.vocab_size
+    vocab = llm._ring.conductor.vocab_size
     tokens_per_s(llm, workload(4, vocab, -1), 8)
     print(tokens_per_s(llm, workload(args.requests, vocab, args.seed), args.new_tokens), flush=True)
     llm.close()
@@ -86,7 +86,7 @@ def main() -> None:
     common = dict(dtype=args.dtype, torch_threads=1, max_batch=args.requests)
     one = LLM(args.model, **common)
     depths = [None] if args.passes_in_flight is None else [int(x) for x in args.passes_in_flight.split(",")]
-    vocab = one.tokenizer.vocab_size
+    vocab = one._ring.conductor.vocab_size
     tokens_per_s(one, workload(4, vocab, -1), 8)
     pp1: list[float] = []
     ring_rates: dict[int | None, list[float]] = {s: [] for s in depths}
