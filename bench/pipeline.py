@@ -18,25 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import subprocess
 import sys
 import time
 
-from ringserve import LLM, SamplingParams
+from decode_load import tokens_per_s, workload
 
-
-def workload(n: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
-
-
-def tokens_per_s(llm: LLM, prompts: list[list[int]], new: int) -> float:
-    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    began = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    assert all(len(o.token_ids) == new for o in outs)
-    return len(prompts) * new / (time.perf_counter() - began)
+from ringserve import LLM
 
 
 async def ticker(stop: asyncio.Event, period_s: float = 0.001) -> float:
