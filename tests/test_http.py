@@ -21,6 +21,7 @@ from ringserve.http.app import ROUTES, create_app
 from ringserve.http.options import HttpOptions
 from ringserve.launch.serve import build_conductor
 from ringserve.models.builtin import builtin_model_dir
+from ringserve.plan.sizing import size_ring
 
 MODEL = "ringserve-builtin"
 PROMPT = "The quick brown fox"
@@ -360,13 +361,13 @@ BAD_REQUESTS = {
         "/v1/chat/completions",
         {"messages": [{"role": "wizard", "content": "hi"}]},
         400,
-        "messages",
+        "messages[0].role",
     ),
     "image_part": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
-        "messages[0].content",
+        "messages[0].content[0].type",
     ),
     "top_logprobs_alone": (
         "/v1/chat/completions",
@@ -548,7 +549,8 @@ async def test_metrics_expose_counters_and_kv_gauges(server: Server) -> None:
 
 @pytest.mark.timeout(30)
 async def test_models_plan_and_openapi_describe_the_server() -> None:
-    plan = {"layer_split": [4], "kv_capacity_tokens": 4096}
+    _, solved = size_ring(EngineConfig(model_dir=builtin_model_dir()), 1, [2000])
+    plan = solved.to_dict()
     async with serving(plan=plan) as server:
         status, models = await server.get("/v1/models")
         assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
