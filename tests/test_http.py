@@ -83,10 +83,15 @@ async def serving(
     max_body_bytes: int = 1 << 20,
     plan: dict[str, Any] | None = None,
     max_model_len: int = 512,
+    **engine: Any,
 ) -> AsyncIterator[Server]:
-    """A real server on 127.0.0.1 over a real single-rank conductor."""
+    """A real server on 127.0.0.1 over a real single-rank conductor;
+    `engine`: more EngineConfig options."""
     config = EngineConfig(
-        model_dir=builtin_model_dir(), kv_capacity_tokens=4096, max_model_len=max_model_len
+        model_dir=builtin_model_dir(),
+        kv_capacity_tokens=4096,
+        max_model_len=max_model_len,
+        **engine,
     )
     conductor = build_conductor(config)
     running = asyncio.create_task(conductor.run())
