@@ -579,3 +579,23 @@ async def test_concurrent_requests_all_complete_and_release_their_kv(server: Ser
     answers = await asyncio.gather(*(server.post("/v1/completions", b) for b in bodies))
     assert all(status == 200 and len(b["choices"][0]["token_ids"]) == 8 for status, b in answers)
     await server.assert_no_kv_held()
+
+
+@pytest.mark.timeout(30)
+async def test_openapi_states_the_served_limits_and_the_server_takes_what_it_states(
+    server: Server,
+) -> None:
+    status, spec = await server.get("/openapi.json")
+    assert status == 200
+    fields = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert fields["max_tokens"]["anyOf"][0]["maximum"] == 512
+    assert fields["model"]["anyOf"][0]["const"] == MODEL
+    ids = fields["prompt"]["oneOf"][2]
+    assert ids["items"]["maximum"] == server.conductor.vocab_size - 1
+    # JSON Schema's integer includes 2.0; top_k 0 is within its range and means off
+    body = {"prompt": PROMPT, "max_tokens": 2.0, "top_k": 0, "n": 1.0, **GREEDY}
+    status, answer = await server.post("/v1/completions", body)
+    assert status == 200 and len(answer["choices"][0]["token_ids"]) == 2, answer
+    status, answer = await server.post("/v1/completions", {"prompt": PROMPT, "top_k": 1 << 40})
+    assert status == 400 and answer["error"]["param"] == "top_k"
+    await server.assert_serving()
