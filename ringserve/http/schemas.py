@@ -43,7 +43,6 @@ def only(value: object) -> dict[str, Any]:
     return {"const": value, "description": "not supported by this server"}
 
 
-Positive = Annotated[int, Meta(ge=1)]
 MaxTokens = Annotated[int, Meta(ge=1, extra_json_schema=served("max_model_len"))]
 TokenId = Annotated[int, Meta(ge=0)]
 PromptId = Annotated[int, Meta(ge=0, extra_json_schema=served("token_id"))]
