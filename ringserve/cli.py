@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from ringserve.config import PLAN_FOR, EngineConfig
+from ringserve.config import KV_TOKENS_PER_WAITING, PLAN_FOR, EngineConfig
 
 
 def _defaults() -> dict[str, object]:
@@ -59,6 +59,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="micro-batches in flight (default: the number of ranks)",
     )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        help="requests that may wait for admission; beyond, HTTP 429 "
+        f"(default: KV capacity // {KV_TOKENS_PER_WAITING})",
+    )
+    p.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        help="fail a request still waiting for admission after this long (default: no limit)",
+    )
     p.add_argument("--no-prefix-reuse", action="store_true")
     p.add_argument("--wedge-timeout-s", type=float, help=f"default {d['wedge_timeout_s']}")
     p.add_argument("--heartbeat-s", type=float, help=f"default {d['heartbeat_s']}")
@@ -67,6 +78,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 _PASSED_ON = (
     "dtype", "max_model_len", "kv_capacity_tokens", "max_tokens_per_pass", "chunk_size",
     "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s", "plan_for", "min_kv_tokens",
+    "max_waiting_requests", "queue_timeout_s",
 )  # fmt: skip
 
 

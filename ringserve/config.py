@@ -9,6 +9,7 @@ from typing import Any
 
 SERVING_DTYPES = ("bfloat16", "float32")
 PLAN_FOR = ("capacity", "throughput", "balanced")  # what the planner optimises (plan/objective.py)
+KV_TOKENS_PER_WAITING = 16  # the default queue bound: one waiting request per this many KV slots
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
@@ -49,6 +50,8 @@ class EngineConfig:
     plan_for: str = "balanced"
     rank_speed: tuple[float, ...] | None = None  # per layer, relative; None: all equal
     min_kv_tokens: int | None = None  # the planner refuses a capacity below this
+    max_waiting_requests: int | None = None  # default: kv_capacity_tokens // KV_TOKENS_PER_WAITING
+    queue_timeout_s: float | None = None  # None: a request waits as long as it takes
     plan: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -65,3 +68,14 @@ class EngineConfig:
             raise ValueError("kv_capacity_tokens must be >= 2")
         if self.wedge_timeout_s <= 0 or self.heartbeat_s <= 0:
             raise ValueError("wedge_timeout_s and heartbeat_s must be > 0")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be >= 1")
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError("queue_timeout_s must be > 0 (leave it out for no timeout)")
+
+    @property
+    def waiting_limit(self) -> int:
+        """How many requests may wait for admission before more are refused."""
+        if self.max_waiting_requests is not None:
+            return self.max_waiting_requests
+        return max(1, self.kv_capacity_tokens // KV_TOKENS_PER_WAITING)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_TOP_K = (1 << 31) - 1  # the sampler's tensors hold it; past the vocabulary it keeps all
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", stop)
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be >= 1")
         _check(self.temperature >= 0, "temperature must be >= 0")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1")
+        _check(
+            self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K,
+            f"top_k must be -1 (off) or in [1, {MAX_TOP_K}]",
+        )
         _check(0 < self.top_p <= 1, "top_p must be in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         _check(self.seed is None or self.seed >= 0, "seed must be >= 0")

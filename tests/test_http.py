@@ -21,6 +21,7 @@ from ringserve.http.app import ROUTES, create_app
 from ringserve.http.options import HttpOptions
 from ringserve.launch.serve import build_conductor
 from ringserve.models.builtin import builtin_model_dir
+from ringserve.plan.sizing import size_ring
 
 MODEL = "ringserve-builtin"
 PROMPT = "The quick brown fox"
@@ -82,10 +83,15 @@ async def serving(
     max_body_bytes: int = 1 << 20,
     plan: dict[str, Any] | None = None,
     max_model_len: int = 512,
+    **engine: Any,
 ) -> AsyncIterator[Server]:
-    """A real server on 127.0.0.1 over a real single-rank conductor."""
+    """A real server on 127.0.0.1 over a real single-rank conductor;
+    `engine`: more EngineConfig options."""
     config = EngineConfig(
-        model_dir=builtin_model_dir(), kv_capacity_tokens=4096, max_model_len=max_model_len
+        model_dir=builtin_model_dir(),
+        kv_capacity_tokens=4096,
+        max_model_len=max_model_len,
+        **engine,
     )
     conductor = build_conductor(config)
     running = asyncio.create_task(conductor.run())
@@ -360,13 +366,13 @@ BAD_REQUESTS = {
         "/v1/chat/completions",
         {"messages": [{"role": "wizard", "content": "hi"}]},
         400,
-        "messages",
+        "messages[0].role",
     ),
     "image_part": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
-        "messages[0].content",
+        "messages[0].content[0].type",
     ),
     "top_logprobs_alone": (
         "/v1/chat/completions",
@@ -548,7 +554,8 @@ async def test_metrics_expose_counters_and_kv_gauges(server: Server) -> None:
 
 @pytest.mark.timeout(30)
 async def test_models_plan_and_openapi_describe_the_server() -> None:
-    plan = {"layer_split": [4], "kv_capacity_tokens": 4096}
+    _, solved = size_ring(EngineConfig(model_dir=builtin_model_dir()), 1, [2000])
+    plan = solved.to_dict()
     async with serving(plan=plan) as server:
         status, models = await server.get("/v1/models")
         assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
@@ -572,3 +579,23 @@ async def test_concurrent_requests_all_complete_and_release_their_kv(server: Ser
     answers = await asyncio.gather(*(server.post("/v1/completions", b) for b in bodies))
     assert all(status == 200 and len(b["choices"][0]["token_ids"]) == 8 for status, b in answers)
     await server.assert_no_kv_held()
+
+
+@pytest.mark.timeout(30)
+async def test_openapi_states_the_served_limits_and_the_server_takes_what_it_states(
+    server: Server,
+) -> None:
+    status, spec = await server.get("/openapi.json")
+    assert status == 200
+    fields = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert fields["max_tokens"]["anyOf"][0]["maximum"] == 512
+    assert fields["model"]["anyOf"][0]["const"] == MODEL
+    ids = fields["prompt"]["oneOf"][2]
+    assert ids["items"]["maximum"] == server.conductor.vocab_size - 1
+    # JSON Schema's integer includes 2.0; top_k 0 is within its range and means off
+    body = {"prompt": PROMPT, "max_tokens": 2.0, "top_k": 0, "n": 1.0, **GREEDY}
+    status, answer = await server.post("/v1/completions", body)
+    assert status == 200 and len(answer["choices"][0]["token_ids"]) == 2, answer
+    status, answer = await server.post("/v1/completions", {"prompt": PROMPT, "top_k": 1 << 40})
+    assert status == 400 and answer["error"]["param"] == "top_k"
+    await server.assert_serving()

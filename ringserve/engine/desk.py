@@ -1,10 +1,18 @@
 """Rank 0's request desk: what callers hand in and get back. It turns a
 prompt into a queued request with a handle, delivers each pass's new tokens
 to the handles they belong to, and retires a handle once its request is
-done. It keeps the serving metrics, counted where the events happen."""
+done. It keeps the serving metrics, counted where the events happen.
+
+The desk bounds the queue: a request that finds `max_waiting` requests
+already waiting is refused (`QueueFull`) before it is numbered, so it leaves
+no trace; one still waiting `queue_timeout_s` after it came is aborted with
+the reason, through the scheduler's abort, which the log records as an
+input of the scheduler re-run (ringserve replay), so the re-run repeats it.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
@@ -15,10 +23,24 @@ from ringserve.engine.metrics import Metrics
 from ringserve.engine.textstream import TextStream
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import SamplingParams
-from ringserve.sched.request import Request, RequestFactory
+from ringserve.sched.request import Phase, Request, RequestFactory
 from ringserve.sched.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
+
+QUEUE_TIMEOUT = "queue timeout"  # begins the reason of a request that waited too long
+RETRY_AFTER_S = 1  # what a refused caller is told to wait: passes finish in well under that
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound: come back later."""
+
+    def __init__(self, waiting: int, limit: int) -> None:
+        super().__init__(
+            f"{waiting} requests are waiting, the most this server queues is {limit}; "
+            f"retry after {RETRY_AFTER_S} s"
+        )
+        self.retry_after_s = RETRY_AFTER_S
 
 
 class RequestDesk:
@@ -31,31 +53,71 @@ class RequestDesk:
         tokenizer: Tokenizer | None,
         new_request: RequestFactory,
         vocab_size: int,
+        *,
+        max_waiting: int | None = None,
+        queue_timeout_s: float | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.new_request = new_request
         self.vocab_size = vocab_size
+        self.max_waiting = max_waiting
+        self.queue_timeout_s = queue_timeout_s
         self.metrics = Metrics()
         self.handles: dict[int, RequestHandle] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
         self._trace = logs.tracing()
 
     def submit(self, prompt: list[int], params: SamplingParams, stream_text: bool) -> RequestHandle:
-        """Queue a request; raises ValueError for one that can never run."""
+        """Queue a request; raises ValueError for one that can never run and
+        QueueFull while the queue is at its bound."""
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:  # it would fail the whole pass it rides in, others too
-            raise ValueError(f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens")
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens"
+            )
+        waiting = len(self.scheduler.waiting)
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            self.metrics.requests_rejected += 1
+            log.info("request.rejected", waiting=waiting, limit=self.max_waiting)
+            raise QueueFull(waiting, self.max_waiting)
         req = self.new_request(prompt, params)
         self.scheduler.add(req)
         if self._trace:  # what a re-run of the scheduler needs (ringserve replay)
             log.debug(
-                "request.arrival", req_id=req.req_id, prompt=req.prompt, params=params, seed=req.spec.seed
+                "request.arrival",
+                req_id=req.req_id,
+                prompt=req.prompt,
+                params=params,
+                seed=req.spec.seed,
             )
         handle = RequestHandle(req, TextStream(self.tokenizer, params.stop, stream_text))
         self.handles[req.req_id] = handle
         self.metrics.requests_total += 1
         self.metrics.prompt_tokens += len(prompt)
+        if self.queue_timeout_s is not None:
+            loop = asyncio.get_running_loop()
+            self._timers[req.req_id] = loop.call_later(
+                self.queue_timeout_s, self._expire, req.req_id
+            )
         return handle
+
+    def _expire(self, req_id: int) -> None:
+        """The queue timeout of a request is up: abort it if it is still
+        waiting and has produced nothing (one in flight or that has run is
+        never dropped). Dropping a waiting request needs no pass woken: a
+        queue that waits while nothing is in flight would have been admitted."""
+        self._timers.pop(req_id, None)
+        req = self.scheduler.requests.get(req_id)
+        if req is None or req.phase is not Phase.WAITING or req.in_flight or req.output:
+            return
+        self.metrics.requests_timed_out += 1
+        self.abort(
+            req_id,
+            f"error: {QUEUE_TIMEOUT}: still waiting for admission after "
+            f"{self.queue_timeout_s:g} s ({len(self.scheduler.waiting)} waiting, "
+            f"{len(self.scheduler.running)} running)",
+        )
 
     def abort(self, req_id: int, reason: str) -> None:
         self.scheduler.abort(req_id, reason)
@@ -86,6 +148,9 @@ class RequestDesk:
         self.metrics.cache_hit_tokens += req.cached_tokens
         if req.finish_reason and req.finish_reason.startswith("error"):
             self.metrics.requests_failed += 1
+        timer = self._timers.pop(req.req_id, None)
+        if timer is not None:
+            timer.cancel()
         del self.handles[req.req_id]
         self.scheduler.forget(req.req_id)
 
@@ -97,3 +162,6 @@ class RequestDesk:
             self.scheduler.abort(req.req_id, f"error: {reason}")
             handle.take_new_tokens()
         self.handles.clear()
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()

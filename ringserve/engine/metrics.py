@@ -41,6 +41,8 @@ class Histogram:
 class Metrics:
     requests_total: int = 0
     requests_failed: int = 0
+    requests_rejected: int = 0
+    requests_timed_out: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cache_hit_tokens: int = 0
@@ -58,6 +60,14 @@ class Metrics:
         counters = {
             "requests_total": (self.requests_total, "requests received"),
             "requests_failed_total": (self.requests_failed, "requests that ended in an error"),
+            "requests_rejected_total": (
+                self.requests_rejected,
+                "requests refused because the waiting queue was full",
+            ),
+            "requests_timed_out_total": (
+                self.requests_timed_out,
+                "requests failed after waiting longer than the queue timeout",
+            ),
             "prompt_tokens_total": (self.prompt_tokens, "prompt tokens received"),
             "generation_tokens_total": (self.generation_tokens, "tokens generated"),
             "cache_hit_tokens_total": (

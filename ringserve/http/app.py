@@ -20,9 +20,12 @@ from ringserve.http.openapi import OPENAPI, Route, openapi_spec
 from ringserve.http.options import HttpOptions
 from ringserve.http.responses import (
     ChatCompletion,
+    ChatCompletionChunk,
     Completion,
     Generation,
+    GenerationChunk,
     Health,
+    MemoryPlan,
     ModelList,
 )
 from ringserve.http.schemas import ChatRequest, CompletionRequest, GenerateRequest
@@ -36,7 +39,7 @@ ROUTES = (
         "OpenAI text completion",
         CompletionRequest,
         Completion,
-        streams=True,
+        events=Completion,
     ),
     Route(
         "POST",
@@ -45,7 +48,7 @@ ROUTES = (
         "OpenAI chat completion, rendered with the model's chat template",
         ChatRequest,
         ChatCompletion,
-        streams=True,
+        events=ChatCompletionChunk,
     ),
     Route(
         "POST",
@@ -54,15 +57,21 @@ ROUTES = (
         "native generation: token ids in, token ids and text out",
         GenerateRequest,
         Generation,
-        streams=True,
+        events=GenerationChunk,
     ),
     Route("GET", "/v1/models", info.models, "the served model", answer=ModelList),
     Route(
         "GET", "/health", info.health, "200 while the ring makes progress", answer=Health, open=True
     ),
     Route("GET", "/metrics", info.metrics, "Prometheus metrics", media="text/plain", open=True),
-    Route("GET", "/v1/plan", info.plan, "the memory plan: layer split and KV capacity"),
-    Route("GET", "/openapi.json", info.openapi, "this description"),
+    Route(
+        "GET",
+        "/v1/plan",
+        info.plan,
+        "the memory plan: layer split and KV capacity",
+        answer=MemoryPlan,
+    ),
+    Route("GET", "/openapi.json", info.openapi, "this description", answer=dict[str, Any]),
 )
 
 
@@ -84,7 +93,8 @@ def create_app(
         ],
     )
     app[SERVED] = ServedModel.build(conductor, options, plan, model_dir)
-    app[OPENAPI] = openapi_spec(ROUTES, _version(), secured=options.api_key is not None)
+    secured = options.api_key is not None
+    app[OPENAPI] = openapi_spec(ROUTES, _version(), secured, app[SERVED].constraints)
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
     return app

@@ -34,6 +34,7 @@ class ApiError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -41,6 +42,7 @@ class ApiError(Exception):
         self.type = type if type is not None else _default_type(status)
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> ErrorBody:
         return ErrorBody(ErrorDetail(self.message, self.type, self.param, self.code))
@@ -50,7 +52,7 @@ class ApiError(Exception):
             status=self.status,
             body=msgspec.json.encode(self.body()),
             content_type="application/json",
-            headers=headers,
+            headers={**self.headers, **(headers or {})},
         )
 
 

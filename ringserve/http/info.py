@@ -58,7 +58,7 @@ async def plan(request: web.Request) -> web.Response:
     served = request.app[SERVED]
     if served.plan is None:
         raise ApiError(404, "this server was started without a memory plan", code="not_found")
-    return web.Response(body=msgspec.json.encode(served.plan), content_type="application/json")
+    return json_response(served.plan)
 
 
 async def openapi(request: web.Request) -> web.Response:

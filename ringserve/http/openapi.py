@@ -1,6 +1,9 @@
 """The API's OpenAPI 3.1 description, built from the same route table that
 the app registers, with the body schemas generated from the msgspec
-Structs that decode and encode them."""
+Structs that decode and encode them, so the description says what is
+accepted and answered. Two things are added to what msgspec writes: the
+rules across fields (`schemas.SCHEMA_RULES`) and the served model's
+constraints, such as its context length, where a field names one."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from ringserve.http.errors import ErrorBody
+from ringserve.http.schemas import SCHEMA_RULES, SERVED_BY
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REF = "#/components/schemas/{name}"
@@ -20,8 +24,9 @@ OPENAPI = web.AppKey("openapi", dict)
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """One endpoint. `answer` is the JSON body of a 200 (None: `media` text);
-    `streams` means `stream: true` turns the answer into server-sent events;
+    """One endpoint. `answer` is the JSON body of a 200, a Struct or any
+    type msgspec can describe (None: `media` text); `events` is the body of
+    each server-sent event that `stream: true` answers instead (sse.py);
     `open` routes need no API key."""
 
     method: str
@@ -31,13 +36,19 @@ class Route:
     body: type | None = None
     answer: type | None = None
     media: str = "application/json"
-    streams: bool = False
+    events: type | None = None
     open: bool = False
 
 
-def openapi_spec(routes: Sequence[Route], version: str, secured: bool) -> dict[str, Any]:
-    types = [t for r in routes for t in (r.body, r.answer) if t is not None]
+def openapi_spec(
+    routes: Sequence[Route], version: str, secured: bool, served: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """`served`: the served model's constraints that fields name (schemas.served)."""
+    types = [t for r in routes for t in (r.body, r.answer, r.events) if _is_struct(t)]
     _, components = msgspec.json.schema_components([*types, ErrorBody], ref_template=REF)
+    for name, rules in SCHEMA_RULES.items():
+        _merge(components[name], rules)
+    components = _bind(components, served)
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, secured)
@@ -66,13 +77,50 @@ def _responses(route: Route) -> dict[str, Any]:
         ok: dict[str, Any] = _content(route.answer)
     else:
         ok = {route.media: {"schema": {"type": "string"}}}
-    if route.streams:
-        ok["text/event-stream"] = {
-            "schema": {"type": "string", "description": "data: <chunk JSON> events, then [DONE]"}
-        }
+    if route.events is not None:
+        ok["text/event-stream"] = {"schema": _event(route.events)}
     error = {"description": "refused; the body says why", "content": _content(ErrorBody)}
     return {"200": {"description": "OK", "content": ok}, "default": error}
 
 
-def _content(kind: type) -> dict[str, Any]:
-    return {"application/json": {"schema": {"$ref": REF.format(name=kind.__name__)}}}
+def _content(kind: Any) -> dict[str, Any]:
+    if _is_struct(kind):
+        return {"application/json": {"schema": {"$ref": REF.format(name=kind.__name__)}}}
+    return {"application/json": {"schema": msgspec.json.schema(kind)}}
+
+
+def _event(kind: type) -> dict[str, Any]:
+    """One server-sent event: a `kind` chunk, an error after the stream
+    began, or the closing `[DONE]`."""
+    chunk = {"anyOf": [{"$ref": REF.format(name=n)} for n in (kind.__name__, "ErrorBody")]}
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": chunk}
+    return {
+        "type": "object",
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+        "required": ["data"],
+    }
+
+
+def _is_struct(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, msgspec.Struct)
+
+
+def _merge(schema: dict[str, Any], rules: dict[str, Any]) -> None:
+    """Add `rules` to a Struct's schema; a property they name is replaced."""
+    for key, value in rules.items():
+        if key == "properties":
+            schema["properties"].update(value)
+        else:
+            schema[key] = value
+
+
+def _bind(schema: Any, served: dict[str, dict[str, Any]]) -> Any:
+    """`schema` with each named constraint of the served model written in."""
+    if isinstance(schema, list):
+        return [_bind(s, served) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bind(v, served) for k, v in schema.items() if k != SERVED_BY}
+    if SERVED_BY in schema:
+        out |= served[schema[SERVED_BY]]
+    return out

@@ -5,10 +5,11 @@ of each. Each choice also carries `token_ids` (an extension)."""
 from __future__ import annotations
 
 import uuid
+from typing import Annotated
 
 import msgspec
 from aiohttp import web
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 
 def json_response(body: Struct, status: int = 200) -> web.Response:
@@ -187,3 +188,41 @@ class Health(Struct, omit_defaults=True):
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+class PlanFigure(Struct):
+    """Bytes, and where the figure came from (plan/ledger.py SOURCES)."""
+
+    bytes: int
+    source: str
+
+
+class RankPlan(Struct):
+    rank: int
+    layers: Annotated[list[int], Meta(min_length=2, max_length=2)]  # [start, stop)
+    budget: PlanFigure
+    weights: PlanFigure
+    kv: PlanFigure
+    activations: PlanFigure
+    headroom: int
+    speed: float
+    stage_time: float
+
+
+class PlanTotals(Struct):
+    budget: int
+    weights: int
+    kv: int
+    activations: int
+
+
+class MemoryPlan(Struct):
+    """`/v1/plan`: the solved memory plan (plan/ledger.py `Plan.to_dict`)."""
+
+    layer_split: list[int]
+    capacity_tokens: int
+    page_size: int
+    plan_for: str
+    bottleneck: int
+    ranks: list[RankPlan]
+    totals: PlanTotals

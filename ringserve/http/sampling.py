@@ -5,7 +5,8 @@ what the context leaves after the prompt, capped at CHAT_DEFAULT_MAX_TOKENS.
 A `max_tokens` above the model's context is refused; one that fits the
 context but not after the prompt is served and ends with `length` where the
 context does. With `n` choices and a seed, choice i is sampled with seed+i,
-so the choices differ yet a request can be replayed.
+so the choices differ yet a request can be replayed. `top_k` 0 is off,
+like -1.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def choice_params(
             SamplingParams(
                 max_tokens=max_tokens,
                 temperature=body.temperature,
-                top_k=body.top_k,
+                top_k=_top_k(body.top_k),
                 top_p=body.top_p,
                 min_p=body.min_p,
                 seed=None if body.seed is None else body.seed + i,
@@ -96,7 +97,7 @@ def native_params(served: ServedModel, s: NativeSampling) -> SamplingParams:
         return SamplingParams(
             max_tokens=bounded_max_tokens(served, s.max_tokens, "max_tokens"),
             temperature=s.temperature,
-            top_k=s.top_k,
+            top_k=_top_k(s.top_k),
             top_p=s.top_p,
             min_p=s.min_p,
             seed=s.seed,
@@ -107,6 +108,11 @@ def native_params(served: ServedModel, s: NativeSampling) -> SamplingParams:
         )
     except ValueError as exc:
         raise invalid_params(exc) from None
+
+
+def _top_k(top_k: int) -> int:
+    """0 is off, as in vLLM's API (SamplingParams says -1)."""
+    return -1 if top_k == 0 else top_k
 
 
 def invalid_params(exc: ValueError) -> ApiError:

@@ -5,28 +5,56 @@ OpenAI's fields that ringserve does not implement are declared so that a
 request asking for them is refused rather than silently served without
 them (`unsupported_fields`); other unknown fields are ignored, as OpenAI's
 clients send some (`user`, say) that change nothing.
+
+The OpenAPI description is generated from these Structs, so it says what
+decoding accepts. What decoding alone cannot check is said beside the
+field, for the description, and checked by the handlers: a refusal by
+`unsupported_fields` (`only(...)`), a bound that is the served model's
+(`served("max_model_len")`: http/openapi.py writes the number in), and rules
+across fields (`SCHEMA_RULES`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
 from ringserve.http.errors import invalid_body
-from ringserve.params import MAX_TOP_LOGPROBS
+from ringserve.params import MAX_TOP_K, MAX_TOP_LOGPROBS
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # choices per request, over all its prompts
 MAX_STOP = 16
 
-Positive = Annotated[int, Meta(ge=1)]
+SERVED_BY = "x-ringserve-served"  # marks a constraint that is the served model's
+
+
+def served(name: str) -> dict[str, Any]:
+    """A constraint that is the served model's `name` (ServedModel.constraints),
+    written into the description when the app is built."""
+    return {SERVED_BY: name}
+
+
+def only(value: object) -> dict[str, Any]:
+    """The one value a field not implemented here may take."""
+    return {"const": value, "description": "not supported by this server"}
+
+
+MaxTokens = Annotated[int, Meta(ge=1, extra_json_schema=served("max_model_len"))]
 TokenId = Annotated[int, Meta(ge=0)]
+PromptId = Annotated[int, Meta(ge=0, extra_json_schema=served("token_id"))]
 Seed = Annotated[int, Meta(ge=0, lt=1 << 62)]  # room for seed + i
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
-Stop = str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None
+Temperature = Annotated[float, Meta(ge=0)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+TopK = Annotated[int, Meta(ge=-1, le=MAX_TOP_K, description="-1 or 0: no top-k filter")]
+MinP = Annotated[float, Meta(ge=0, le=1)]
+StopText = Annotated[str, Meta(min_length=1)]
+Stop = StopText | Annotated[list[StopText], Meta(max_length=MAX_STOP)] | None
+Zero = Annotated[float, Meta(extra_json_schema=only(0))]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -37,12 +65,12 @@ class SamplingFields(Struct, kw_only=True):
     """What completions and chat share. Extensions to OpenAI: `top_k`,
     `min_p`, `stop_token_ids`, `ignore_eos`."""
 
-    model: str | None = None
-    max_tokens: Positive | None = None
-    temperature: Annotated[float, Meta(ge=0)] = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    model: Annotated[str, Meta(extra_json_schema=served("model"))] | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     seed: Seed | None = None
     stop: Stop = None
@@ -50,9 +78,9 @@ class SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Zero = 0.0
+    frequency_penalty: Zero = 0.0
+    logit_bias: Annotated[dict[str, float], Meta(extra_json_schema=only({}))] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -63,42 +91,48 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """`prompt`: a string, a list of strings, a list of token ids, or a
     list of lists of token ids (several prompts)."""
 
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | PromptId | list[PromptId]]
     logprobs: TopLogprobs | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    echo: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    suffix: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+    best_of: Annotated[int, Meta(description="must equal n")] | None = None
 
 
 class ContentPart(Struct, kw_only=True):
-    type: str
+    type: Literal["text"]
     text: str | None = None
 
 
 class ChatMessage(Struct, kw_only=True):
-    role: str
+    """The roles the chat templates served here render."""
+
+    role: Literal["system", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text"] = "text"
+
+
 class ChatRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: Positive | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(extra_json_schema=only([]))] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class NativeSampling(Struct, kw_only=True, forbid_unknown_fields=True):
     """`/generate`'s sampling parameters: SamplingParams' own names and
     defaults; an unknown name is an error, not ignored."""
 
-    max_tokens: Positive = 16
-    temperature: Annotated[float, Meta(ge=0)] = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
+    max_tokens: MaxTokens = 16
+    temperature: Temperature = 1.0
+    top_k: TopK = -1
+    top_p: TopP = 1.0
+    min_p: MinP = 0.0
     seed: Seed | None = None
     stop_token_ids: list[TokenId] = []
     stop: Stop = None
@@ -109,10 +143,51 @@ class NativeSampling(Struct, kw_only=True, forbid_unknown_fields=True):
 class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """Exactly one of `input_ids` and `text`."""
 
-    input_ids: list[int] | None = None
+    input_ids: Annotated[list[PromptId], Meta(min_length=1)] | None = None
     text: str | None = None
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
     stream: bool = False
+
+
+def _prompt_forms() -> dict[str, Any]:
+    """A completion's prompt: one of four forms, never a mixture (msgspec
+    decodes one list type per union; prompts.py refuses mixtures)."""
+    token_id = {"type": "integer", "minimum": 0, **served("token_id")}
+    ids = {"type": "array", "items": token_id, "minItems": 1}
+    several = {"minItems": 1, "maxItems": MAX_CHOICES}
+    return {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}, **several},
+            ids,
+            {"type": "array", "items": ids, **several},
+        ]
+    }
+
+
+def _best_of_is_n() -> dict[str, Any]:
+    same = [{"properties": {"n": {"const": k}, "best_of": {"enum": [None, k]}}, "required": ["n"]}
+            for k in range(1, MAX_N + 1)]  # fmt: skip
+    unset = {"properties": {"best_of": {"enum": [None, 1]}}, "not": {"required": ["n"]}}
+    return {"anyOf": [*same, unset]}
+
+
+# What the fields alone cannot say, merged into each Struct's description
+# (a property named here is described as written here) and checked by the
+# handlers: prompts.py, sampling.py, native.py.
+SCHEMA_RULES: dict[str, dict[str, Any]] = {
+    "CompletionRequest": {"properties": {"prompt": _prompt_forms()}, **_best_of_is_n()},
+    "ChatRequest": {
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+    },
+    "GenerateRequest": {
+        "oneOf": [
+            {"properties": {"input_ids": {"type": "array"}}, "required": ["input_ids"]},
+            {"properties": {"text": {"type": "string"}}, "required": ["text"]},
+        ]
+    },
+}
 
 
 def unsupported_fields(body: SamplingFields) -> list[str]:
@@ -129,8 +204,7 @@ def unsupported_fields(body: SamplingFields) -> list[str]:
             "best_of": body.best_of is not None and body.best_of != body.n,
         }
     if isinstance(body, ChatRequest):
-        kind = (body.response_format or {}).get("type", "text")
-        asked |= {"tools": bool(body.tools), "response_format": kind != "text"}
+        asked |= {"tools": bool(body.tools)}
     return [name for name, on in asked.items() if on]
 
 
@@ -142,6 +216,18 @@ async def read_json(request: web.Request, kind: type[T]) -> T:
     otherwise (a 413 from aiohttp when it is over the size limit)."""
     raw = await request.read()
     try:
-        return msgspec.json.decode(raw, type=kind)
+        return msgspec.convert(_whole_numbers(msgspec.json.decode(raw)), kind)
     except msgspec.DecodeError as exc:
         raise invalid_body(exc) from None
+
+
+def _whole_numbers(value: Any) -> Any:
+    """`value` with every float that has no fraction as an int: JSON Schema's
+    integer is any such number (`2.0` too), and msgspec's int is not."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    return value

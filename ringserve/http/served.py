@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
 from ringserve.http.errors import ApiError
 from ringserve.http.options import HttpOptions
+from ringserve.http.responses import MemoryPlan
 from ringserve.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "ringserve"
@@ -27,7 +29,7 @@ class ServedModel:
     name: str
     created: int
     vocab_size: int
-    plan: dict[str, Any] | None = None
+    plan: MemoryPlan | None = None
 
     @classmethod
     def build(
@@ -41,7 +43,9 @@ class ServedModel:
         # Rank 0's stage is the first one, which holds the embedding: the
         # model's config there bounds the token ids it can take.
         vocab = conductor.vocab_size
-        return cls(conductor, options, name or DEFAULT_MODEL_NAME, int(time.time()), vocab, plan)
+        # Checked once here, so /v1/plan answers what its schema says.
+        memory = None if plan is None else msgspec.convert(plan, MemoryPlan)
+        return cls(conductor, options, name or DEFAULT_MODEL_NAME, int(time.time()), vocab, memory)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -50,6 +54,17 @@ class ServedModel:
     @property
     def max_model_len(self) -> int:
         return self.conductor.scheduler.config.max_model_len
+
+    @property
+    def constraints(self) -> dict[str, dict[str, Any]]:
+        """What requests are checked against here (check_model,
+        prompts.checked_ids, sampling.bounded_max_tokens), as JSON Schema, by
+        the names the request schemas give them (schemas.served)."""
+        return {
+            "model": {"const": self.name},
+            "max_model_len": {"maximum": self.max_model_len},
+            "token_id": {"maximum": self.vocab_size - 1},
+        }
 
     def check_model(self, model: str | None) -> None:
         """A request may name the served model or no model at all."""

@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
+from ringserve.engine.desk import QUEUE_TIMEOUT, QueueFull
 from ringserve.engine.handle import Delta, RequestHandle
 from ringserve.http.errors import ApiError, bad_request
 from ringserve.http.responses import PromptTokensDetails, Usage
@@ -66,6 +67,9 @@ class Submission:
         except ValueError as exc:
             self.abort()
             raise bad_request(str(exc), param=self.prompt_param) from None
+        except QueueFull as exc:
+            self.abort()
+            raise rate_limited(exc) from None
         except RuntimeError as exc:
             self.abort()
             raise ApiError(503, f"the engine cannot take requests: {exc}") from None
@@ -107,6 +111,8 @@ class Submission:
         if finish_reason is None or not finish_reason.startswith("error"):
             return None
         why = finish_reason.removeprefix("error: ")
+        if why.startswith(QUEUE_TIMEOUT):
+            return ApiError(503, f"not started: {why}", code="queue_timeout")
         status = 503 if self.conductor.failure is not None else 500
         return ApiError(status, f"generation failed: {why}")
 
@@ -142,6 +148,17 @@ class Submission:
                 self.abort()
                 return
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+def rate_limited(exc: QueueFull) -> ApiError:
+    """A 429 in OpenAI's shape, with the wait in `Retry-After`."""
+    return ApiError(
+        429,
+        str(exc),
+        type="requests",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )
 
 
 async def _pump(i: int, handle: RequestHandle, queue: asyncio.Queue) -> None:

@@ -16,6 +16,7 @@ import uvloop
 
 from ringserve.config import EngineConfig
 from ringserve.engine.conductor import Conductor
+from ringserve.engine.desk import QueueFull
 from ringserve.engine.handle import RequestHandle
 from ringserve.launch.boot import hidden_announcement
 from ringserve.launch.processes import RankProcesses, free_port
@@ -126,14 +127,27 @@ class LocalRing:
     async def _generate(
         self, prompts: list[list[int]], params: list[SamplingParams]
     ) -> list[RequestOutput]:
+        """Submit every prompt, waiting for a request to finish whenever the
+        queue is at its bound (the offline caller is not refused)."""
         handles: list[RequestHandle] = []
+        results: list[asyncio.Task[RequestOutput]] = []
         try:
             for p, sp in zip(prompts, params, strict=True):
-                handles.append(self.conductor.submit(p, sp, stream_text=False))
-            return list(await asyncio.gather(*(h.result() for h in handles)))
+                while True:
+                    try:
+                        handle = self.conductor.submit(p, sp, stream_text=False)
+                        break
+                    except QueueFull:
+                        pending = [r for r in results if not r.done()]
+                        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                handles.append(handle)
+                results.append(asyncio.ensure_future(handle.result()))
+            return list(await asyncio.gather(*results))
         except BaseException:
             for h in handles:
                 self.conductor.abort(h.req_id)
+            for r in results:
+                r.cancel()
             raise
 
     def close(self) -> None:

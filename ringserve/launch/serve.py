@@ -31,7 +31,14 @@ def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conducto
     layers = range(cfg.num_layers) if world == 1 else layer_range(list(config.layer_split or ()), 0)
     stage = build_stage(config, cfg, layers, rank=0)
     zero = build_rank_zero(config, cfg, world=world)
-    desk = RequestDesk(zero.scheduler, zero.tokenizer, zero.new_request, cfg.vocab_size)
+    desk = RequestDesk(
+        zero.scheduler,
+        zero.tokenizer,
+        zero.new_request,
+        cfg.vocab_size,
+        max_waiting=config.waiting_limit,
+        queue_timeout_s=config.queue_timeout_s,
+    )
     return Conductor(
         zero.scheduler,
         stage,
@@ -42,7 +49,9 @@ def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conducto
     )
 
 
-async def run_rank_zero(spec, config: EngineConfig, http: HttpOptions, ready_file: str | None) -> int:
+async def run_rank_zero(
+    spec, config: EngineConfig, http: HttpOptions, ready_file: str | None
+) -> int:
     """The serving rank 0 process: build, wait for the ring, serve, and shut
     the ring down on the way out. Returns the process exit code."""
     ends = None
