@@ -78,6 +78,18 @@ async def test_a_request_beyond_the_waiting_bound_gets_429_and_the_server_carrie
 
 
 @pytest.mark.timeout(60)
+async def test_a_request_with_more_choices_than_the_queue_holds_is_a_400_not_a_429() -> None:
+    """Retrying could never help it, so it is not told to retry."""
+    async with serving(max_waiting_requests=2) as server:
+        status, body = await server.post("/v1/completions", {**SHORT, "n": 3})
+        assert status == 400 and body["error"]["param"] == "n"
+        assert "queues at most 2" in body["error"]["message"]
+        status, body = await server.post("/v1/completions", {**SHORT, "n": 2})
+        assert status == 200 and len(body["choices"]) == 2
+        await server.assert_no_kv_held()
+
+
+@pytest.mark.timeout(60)
 async def test_a_request_waiting_past_the_queue_timeout_fails_with_the_reason() -> None:
     async with serving(max_batch=1, queue_timeout_s=0.3) as server:
         async with running_one(server):

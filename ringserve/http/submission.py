@@ -60,6 +60,13 @@ class Submission:
 
     def start(self) -> None:
         """Submit every choice, or none: a refusal aborts those already in."""
+        choices, limit = len(self.prompts) * len(self.params), self.conductor.desk.max_waiting
+        if choices > limit:  # it could never be queued whole: retrying cannot help
+            raise bad_request(
+                f"this request asks for {choices} choices (prompts x n); the server queues at "
+                f"most {limit} (--max-waiting-requests): lower n or send fewer prompts",
+                param="n",
+            )
         try:
             for prompt in self.prompts:
                 for sp in self.params:
