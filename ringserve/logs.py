@@ -2,6 +2,11 @@
 (every event, for `ringserve replay`) and a readable rendering on stderr
 (events at or above the console level).
 
+Lines reach the file within `FLUSH_EVERY_S` of their event (a flush
+thread), at `flush()`, and when the log is closed or the process exits
+normally; a rank process also flushes on SIGTERM/SIGINT (`launch/rank.py`),
+so only a SIGKILL loses anything, and then at most its last 50 ms.
+
 Events below both levels are dropped by structlog's level gate before any
 processor runs. Code that would compute something costly only for a debug
 event (a digest, a large field) asks `tracing()` once, when the object that
