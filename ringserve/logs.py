@@ -61,8 +61,9 @@ class _Sink:
         with self.writing:
             with self.lock:
                 batch, self.pending = self.pending, []
-            if batch and self.out is not None:
-                self.out.write(b"".join(batch))
+            data = memoryview(b"".join(batch))
+            while data and self.out is not None:  # an unbuffered write may be partial
+                data = data[self.out.write(data) :]
 
     def close(self) -> None:
         self.closed.set()
