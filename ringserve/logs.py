@@ -133,7 +133,13 @@ class _Tee:
             sink.close()
 
 
-def _install(rank: int, log_dir: str | Path | None, console_level: str, file_level: str) -> _Tee:
+def _install(
+    rank: int,
+    log_dir: str | Path | None,
+    console_level: str,
+    file_level: str,
+    final: bool = False,
+) -> _Tee:
     sink, file_floor = None, NO_FILE
     if log_dir is not None:
         path = Path(log_dir) / f"rank{rank}.jsonl"
@@ -145,7 +151,10 @@ def _install(rank: int, log_dir: str | Path | None, console_level: str, file_lev
         processors=[tee],
         wrapper_class=structlog.make_filtering_bound_logger(min(LEVELS[console_level], file_floor)),
         logger_factory=lambda *_: console,  # one logger, not one built per call
-        cache_logger_on_first_use=False,
+        # A module logger assembles itself on every call unless cached; a
+        # cached one keeps the configuration it first saw, so only a
+        # process configured once and for good may cache.
+        cache_logger_on_first_use=final,
     )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if sink is not None:
@@ -159,9 +168,15 @@ def configure(
     log_dir: str | Path | None = None,
     console_level: str = "info",
     file_level: str = "debug",
+    *,
+    final: bool = False,
 ) -> Path | None:
-    """Configure structlog for this process; returns the JSON log's path."""
-    _install(rank, log_dir, console_level, file_level)
+    """Configure structlog for this process; returns the JSON log's path.
+    `final`: this configuration stays for the life of the process (a rank
+    process), so module loggers may cache it: a debug event then costs
+    about half as much. Reconfiguring later reaches only loggers not yet
+    used."""
+    _install(rank, log_dir, console_level, file_level, final)
     return Path(log_dir) / f"rank{rank}.jsonl" if log_dir is not None else None
 
 

@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None) -> tuple[RankSpec, EngineConfig, argparse
 def main(argv: list[str] | None = None) -> int:
     spec, config, args = parse_args(argv)
     die_with_parent()
-    logs.configure(spec.rank, args.log_dir, console_level="warning")
+    logs.configure(spec.rank, args.log_dir, console_level="warning", final=True)
     end_on_signal(spec.rank)  # rank 0's server takes both signals over while it serves
     if spec.rank == 0 and args.http is None:
         raise SystemExit("rank 0 runs inside `LLM` or `ringserve launch`, not here")
