@@ -2,6 +2,11 @@
 (every event, for `ringserve replay`) and a readable rendering on stderr
 (events at or above the console level).
 
+Lines reach the file within `FLUSH_EVERY_S` of their event (a flush
+thread), at `flush()`, and when the log is closed or the process exits
+normally; a rank process also flushes on SIGTERM/SIGINT (`launch/rank.py`),
+so only a SIGKILL loses anything, and then at most its last 50 ms.
+
 Events below both levels are dropped by structlog's level gate before any
 processor runs. Code that would compute something costly only for a debug
 event (a digest, a large field) asks `tracing()` once, when the object that
@@ -16,6 +21,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,73 +32,132 @@ import structlog
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "exception": 40, "critical": 50}
 NO_FILE = 100
+# Every event reaches the file within this long: a rank killed by SIGKILL
+# loses at most its last FLUSH_EVERY_S of events.
+FLUSH_EVERY_S = 0.05
 
 
-class _Tee:
-    """Writes each event at or above `level` as one JSON line, stamped with
-    the rank and a monotonic timestamp, before the console sees it.
-    Invariant: once closed it writes nothing; lines never interleave (the
-    loop, the forward executor and the link threads all log)."""
+class _Sink:
+    """A JSON log file fed whole lines, written out at least every
+    `FLUSH_EVERY_S` by its own thread and on `flush()`. Invariant: lines
+    reach the file whole and in the order they were added, and nothing is
+    written after `close()`."""
 
-    def __init__(self, rank: int, out: IO[bytes] | None, level: int) -> None:
-        self.rank = rank
-        self.out = out
-        self.level = level
-        self.lock = threading.Lock()
-        self.encoder = msgspec.json.Encoder(enc_hook=str)
+    def __init__(self, path: Path) -> None:
+        self.out: IO[bytes] | None = path.open("ab", buffering=0)
+        self.pending: list[bytes] = []
+        # Reentrant: a signal handler that flushes may run on a thread that
+        # holds them (`launch/rank.py`), and must not deadlock it.
+        self.lock = threading.RLock()  # guards `pending`; held only to swap or append
+        self.writing = threading.RLock()  # one batch written at a time, in order
+        self.closed = threading.Event()
+        threading.Thread(target=self._flush_often, name="log-flush", daemon=True).start()
 
-    def __call__(self, _logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
-        event.setdefault("rank", self.rank)
-        event["t"] = time.monotonic()
-        if self.out is not None and LEVELS.get(method, 20) >= self.level:
-            line = self.encoder.encode(dict(event, level=method)) + b"\n"
-            with self.lock:
-                if self.out is not None:
-                    self.out.write(line)
-        return event
+    def add(self, line: bytes) -> None:
+        with self.lock:
+            self.pending.append(line)
 
     def flush(self) -> None:
-        with self.lock:
-            if self.out is not None:
-                self.out.flush()
+        with self.writing:
+            with self.lock:
+                batch, self.pending = self.pending, []
+            data = memoryview(b"".join(batch))
+            while data and self.out is not None:  # an unbuffered write may be partial
+                data = data[self.out.write(data) :]
 
     def close(self) -> None:
-        with self.lock:
+        self.closed.set()
+        self.flush()
+        with self.writing:
             out, self.out = self.out, None
         if out is not None:
             out.close()
 
+    def _flush_often(self) -> None:
+        while not self.closed.wait(FLUSH_EVERY_S):
+            if self.pending:
+                self.flush()
 
-class _ConsoleGate:
-    def __init__(self, level: int) -> None:
+
+class _Console:
+    """structlog's logger behind the processors: writes what the last
+    processor rendered to stderr, and nothing for an event that only the
+    file keeps (cheaper than raising DropEvent for every debug event)."""
+
+    def msg(self, message: str) -> None:
+        if message:
+            print(message, file=sys.stderr, flush=True)
+
+    debug = info = warning = warn = error = err = critical = fatal = exception = failure = msg
+    log = msg
+
+
+class _Tee:
+    """Writes each event at or above `level` as one JSON line, stamped with
+    the rank and a monotonic timestamp, and renders those at or above
+    `console_level` for the console. Invariant: once closed it writes
+    nothing; lines never interleave (the loop, the forward executor and the
+    link threads all log); every line reaches the file within
+    `FLUSH_EVERY_S`, and at `flush()`."""
+
+    def __init__(self, rank: int, sink: _Sink | None, level: int, console_level: int) -> None:
+        self.rank = rank
+        self.sink = sink
         self.level = level
+        self.console_level = console_level
+        self.encoder = msgspec.json.Encoder(enc_hook=str)
+        self.render = structlog.dev.ConsoleRenderer(colors=False)
+        if sink is not None:  # flushed and closed when dropped, or at exit
+            weakref.finalize(self, sink.close)
 
-    def __call__(self, _logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
-        if LEVELS.get(method, 20) < self.level:
-            raise structlog.DropEvent
-        event.pop("t", None)
-        return event
+    def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
+        level = LEVELS.get(method, 20)
+        event.setdefault("rank", self.rank)
+        sink = self.sink
+        if sink is not None and level >= self.level:
+            event["t"] = time.monotonic()
+            event["level"] = method
+            sink.add(self.encoder.encode(event) + b"\n")
+            del event["t"], event["level"]
+        if level < self.console_level:
+            return ""
+        return self.render(logger, method, event)
+
+    def flush(self) -> None:
+        if self.sink is not None:
+            self.sink.flush()
+
+    def close(self) -> None:
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.close()
 
 
-def _install(rank: int, log_dir: str | Path | None, console_level: str, file_level: str) -> _Tee:
-    out, file_floor = None, NO_FILE
+def _install(
+    rank: int,
+    log_dir: str | Path | None,
+    console_level: str,
+    file_level: str,
+    final: bool = False,
+) -> _Tee:
+    sink, file_floor = None, NO_FILE
     if log_dir is not None:
         path = Path(log_dir) / f"rank{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        out, file_floor = path.open("ab", buffering=1 << 16), LEVELS[file_level]
-    tee = _Tee(rank, out, file_floor)
+        sink, file_floor = _Sink(path), LEVELS[file_level]
+    tee = _Tee(rank, sink, file_floor, LEVELS[console_level])
+    console = _Console()
     structlog.configure(
-        processors=[
-            tee,
-            _ConsoleGate(LEVELS[console_level]),
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
+        processors=[tee],
         wrapper_class=structlog.make_filtering_bound_logger(min(LEVELS[console_level], file_floor)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
+        logger_factory=lambda *_: console,  # one logger, not one built per call
+        # A module logger assembles itself on every call unless cached; a
+        # cached one keeps the configuration it first saw, so only a
+        # process configured once and for good may cache.
+        cache_logger_on_first_use=final,
     )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    if out is not None:
+    if sink is not None:
         # Each opening starts a run: replay reads a file from its last marker.
         structlog.get_logger(__name__).debug("log.opened", pid=os.getpid())
     return tee
@@ -103,9 +168,15 @@ def configure(
     log_dir: str | Path | None = None,
     console_level: str = "info",
     file_level: str = "debug",
+    *,
+    final: bool = False,
 ) -> Path | None:
-    """Configure structlog for this process; returns the JSON log's path."""
-    _install(rank, log_dir, console_level, file_level)
+    """Configure structlog for this process; returns the JSON log's path.
+    `final`: this configuration stays for the life of the process (a rank
+    process), so module loggers may cache it: a debug event then costs
+    about half as much. Reconfiguring later reaches only loggers not yet
+    used."""
+    _install(rank, log_dir, console_level, file_level, final)
     return Path(log_dir) / f"rank{rank}.jsonl" if log_dir is not None else None
 
 

@@ -1,10 +1,16 @@
 """Logging of a rank: JSON lines per rank with rank and monotonic time, the
 console gate, the level gate that spares per-pass work when nothing keeps
-debug events, and the offline LLM's scope that restores what it found."""
+debug events, the offline LLM's scope that restores what it found, and
+lines that reach the file within a fraction of a second (a rank killed by
+SIGKILL keeps its events)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
+import urllib.request
 
 import pytest
 import structlog
@@ -12,6 +18,7 @@ import structlog
 from ringserve import logs
 from ringserve.engine.stage import Stage
 from ringserve.ring.messages import Decision, Entry, NewRequest, SamplingSpec
+from tests.launched import Launched
 
 log = structlog.get_logger("tests.logs")
 
@@ -109,3 +116,48 @@ def test_silenced_drops_events_and_restores(tmp_path):
     logs.flush()
     events = [e["event"] for e in read(path)]
     assert "probe.loud" in events and "probe.silenced" not in events
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_by_sigkill_leaves_its_events_up_to_the_kill(tmp_path):
+    """A launched pp 3 ring serves a request, rests 0.5 s, and rank 1 is
+    killed with SIGKILL: its file holds every pass it applied and every
+    message rank 2 received from it more than 0.1 s before the kill."""
+    args = ("--pp", "3", "--log-dir", str(tmp_path), "--kv-capacity-tokens", "512")
+    with Launched(*args, "--max-model-len", "512") as server:
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 30,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        request = urllib.request.Request(
+            server.url + "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        assert (
+            json.loads(urllib.request.urlopen(request, timeout=60).read())["usage"][
+                "completion_tokens"
+            ]
+            == 30
+        )
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        os.kill(server.ranks[1], signal.SIGKILL)
+        server.proc.wait(30)
+    rank0, rank1, rank2 = (read(tmp_path / f"rank{r}.jsonl") for r in range(3))
+    made = [e["pass_id"] for e in rank0 if e["event"] == "decision.made"]
+    applied = [e["pass_id"] for e in rank1 if e["event"] == "decision.applied"]
+    assert len(made) >= 30 and applied == made
+
+    def key(e: dict) -> tuple:
+        return e["kind"], e.get("pass_id"), e.get("seq")
+
+    sent = {key(e) for e in rank1 if e["event"] == "msg.sent"}
+    owed = [
+        key(e)
+        for e in rank2
+        if e["event"] == "msg.received" and e["peer"] == 1 and e["t"] < killed_at - 0.1
+    ]
+    assert owed and [k for k in owed if k not in sent] == []

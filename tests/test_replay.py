@@ -9,9 +9,13 @@ import argparse
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -173,6 +177,56 @@ def test_a_wedged_run_is_named_with_its_wait_for_chain(tmp_path, monkeypatch, ca
     assert report.kinds() == {"terminal.missing"} and report.rerun.reproduced
     voids = [e for e in events(tmp_path / "rank0.jsonl") if e["event"] == "pass.void"]
     assert [e["pass_id"] for e in voids] == [7, 15]
+
+
+@pytest.mark.timeout(180)
+def test_a_launched_wedge_stopped_by_sigterm_replays_with_its_true_chain(tmp_path):
+    """The wedge above, served by `ringserve launch` and ended by SIGTERM:
+    every rank's log holds its events, so the chain ends at rank 1's drop."""
+    args = ("--pp", "3", "--log-dir", str(tmp_path), "--wedge-timeout-s", "2")
+    env = {"RINGSERVE_FAULTS": "drop:rank=1:kind=hidden:pass=20"}
+    with Launched(
+        *args, "--kv-capacity-tokens", "512", "--max-model-len", "512", env=env
+    ) as server:
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        threading.Thread(target=_post_quietly, args=(server.url, body), daemon=True).start()
+        _wait_until(lambda: _health_status(server.url) == 503, 60)
+        server.stop(signal.SIGTERM)
+    report = replay(tmp_path)
+    rendered = report.render()
+    assert report.wedge is not None and report.wedge.pass_id == 20, rendered
+    assert report.wedge.waits == [Wait(0, "output", 20, 2), Wait(2, "hidden", 20, 1)], rendered
+    assert "rank 2 waits hidden of pass 20 from rank 1" in rendered
+    assert "rank 1 received decision and hidden of pass 20" in rendered
+    assert "fault.drop" in rendered
+    # the launcher stopped the wedged ring's ranks: rank 1 flushed on SIGTERM
+    assert events(tmp_path / "rank1.jsonl")[-1]["event"] == "rank.terminated"
+    assert "stopping every rank" in server.output()
+
+
+def _post_quietly(url: str, body: dict) -> None:
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        urllib.request.urlopen(request, timeout=120).read()
+    except OSError:
+        pass  # the server goes away mid-request: that is the drill
+
+
+def _health_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
 
 
 async def _submit(conductor, prompt, params) -> None:

@@ -43,6 +43,12 @@ class NodeSpec:
         return range(self.node_rank * per, (self.node_rank + 1) * per)
 
 
+# How long rank 0 has to shut the ring down after a stop request before the
+# launcher stops every rank itself (SIGTERM: each flushes its log and ends;
+# SIGKILL after `processes.stop_processes`' grace).
+RING_SHUTDOWN_S = 6.0
+
+
 def say(text: str) -> None:
     print(f"ringserve: {text}", file=sys.stderr, flush=True)
 
@@ -58,6 +64,7 @@ class Launcher:
         self.procs: dict[int, subprocess.Popen] = {}
         self.ready_file = Path(tempfile.mkdtemp(prefix="ringserve-")) / "ready"
         self.stopping = False
+        self.stop_deadline = float("inf")
 
     def start(self) -> None:
         config = self.config
@@ -73,7 +80,9 @@ class Launcher:
                 cmd += ["--http", msgspec.json.encode(self.http).decode()]
                 cmd += ["--ready-file", str(self.ready_file)]
             layers = layer_range(list(self.config.layer_split or ()), rank)
-            self.procs[rank] = proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.procs[rank] = proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, start_new_session=True
+            )
             say(f"started rank {rank} (layers {layers.start}-{layers.stop - 1}, pid {proc.pid})")
 
     def supervise(self) -> int:
@@ -87,6 +96,12 @@ class Launcher:
             exited = {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
             if exited:
                 return self._end(exited)
+            if time.monotonic() > self.stop_deadline:  # a wedged rank 0 may never get there
+                say(
+                    f"the ring did not shut down within {RING_SHUTDOWN_S:.0f} s; stopping every rank"
+                )
+                self.stop(grace_s=0.0)
+                return 0
             time.sleep(0.1)
 
     def _end(self, exited: dict[int, int | None]) -> int:
@@ -103,6 +118,8 @@ class Launcher:
         return 1
 
     def request_stop(self, *_: object) -> None:
+        if not self.stopping:
+            self.stop_deadline = time.monotonic() + RING_SHUTDOWN_S
         self.stopping = True
         if 0 in self.procs and self.procs[0].poll() is None:
             self.procs[0].send_signal(signal.SIGTERM)  # rank 0 shuts the ring down

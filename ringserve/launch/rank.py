@@ -8,6 +8,8 @@ the offline `LLM` (launch/local_ring.py) or as the serving process.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 import msgspec
@@ -31,6 +33,21 @@ from ringserve.ring.topology import RankSpec, open_links
 
 log = structlog.get_logger(__name__)
 
+
+def end_on_signal(rank: int) -> None:
+    """On SIGTERM or SIGINT (the launcher stopping the group, or the parent
+    gone), log it, flush the log, and end by that signal as the default
+    action would: the launcher reads the signal from the exit status, and
+    the log holds everything up to the end."""
+
+    def end(signum: int, _frame: object) -> None:
+        log.warning("rank.terminated", rank=rank, signal=signal.Signals(signum).name)
+        logs.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, end)
 
 
 async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
@@ -74,7 +91,8 @@ def parse_args(argv: list[str] | None) -> tuple[RankSpec, EngineConfig, argparse
 def main(argv: list[str] | None = None) -> int:
     spec, config, args = parse_args(argv)
     die_with_parent()
-    logs.configure(spec.rank, args.log_dir, console_level="warning")
+    logs.configure(spec.rank, args.log_dir, console_level="warning", final=True)
+    end_on_signal(spec.rank)  # rank 0's server takes both signals over while it serves
     if spec.rank == 0 and args.http is None:
         raise SystemExit("rank 0 runs inside `LLM` or `ringserve launch`, not here")
     if spec.world > 1:
