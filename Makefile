@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check ringserve tests bench
+	$(BIN)/ruff format --check ringserve tests bench
 	$(BIN)/python -m pytest -n 2 -q
 
 serve: $(STAMP)

@@ -61,7 +61,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--passes-in-flight", default=None, help="depths to compare, e.g. 2,3 (default: the engine's)")
+    ap.add_argument(
+        "--passes-in-flight",
+        default=None,
+        help="depths to compare, e.g. 2,3 (default: the engine's)",
+    )
     ap.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
@@ -73,7 +77,11 @@ def main() -> None:
     both = ceiling(args)
     common = dict(dtype=args.dtype, torch_threads=1, max_batch=args.requests)
     one = LLM(args.model, **common)
-    depths = [None] if args.passes_in_flight is None else [int(x) for x in args.passes_in_flight.split(",")]
+    depths = (
+        [None]
+        if args.passes_in_flight is None
+        else [int(x) for x in args.passes_in_flight.split(",")]
+    )
     vocab = one._ring.conductor.vocab_size
     tokens_per_s(one, workload(4, vocab, -1), 8)
     pp1: list[float] = []
@@ -92,17 +100,25 @@ def main() -> None:
                 stalls.append(watch.result(timeout=10))
     one.close()
     best1, n = max(pp1), args.pp
-    print(f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, one thread per rank, {args.dtype}")
+    print(
+        f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, one thread per rank, {args.dtype}"
+    )
     print(f"  pp 1: {best1:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in pp1)})")
     for s, rates in ring_rates.items():
         best = max(rates)
         depth = "default depth" if s is None else f"{s} passes in flight"
-        print(f"  pp {n}, {depth}: {best:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in rates)})")
+        print(
+            f"  pp {n}, {depth}: {best:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in rates)})"
+        )
         print(f"    efficiency pp{n} / ({n} x pp1) = {best / (n * best1):.2f}; "
               f"{best / both:.2f} of the machine's ceiling")  # fmt: skip
-    print(f"  machine ceiling: two independent 1-rank engines at once = {both:.1f} tok/s, "
-          f"{both / (2 * best1):.2f} of 2 x pp1")
-    print(f"  longest rank-0 loop stall during ring passes: {max(stalls) * 1e3:.1f} ms (goal < 20 ms)")
+    print(
+        f"  machine ceiling: two independent 1-rank engines at once = {both:.1f} tok/s, "
+        f"{both / (2 * best1):.2f} of 2 x pp1"
+    )
+    print(
+        f"  longest rank-0 loop stall during ring passes: {max(stalls) * 1e3:.1f} ms (goal < 20 ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -95,7 +95,10 @@ def test_a_request_that_breaks_its_passes_fails_alone(llama, monkeypatch):
     try:
         outs = llm.generate(prompts, GREEDY)
         bad = outs[2]
-        assert bad.finish_reason.startswith("error") and "injected failure of request 2" in bad.finish_reason
+        assert (
+            bad.finish_reason.startswith("error")
+            and "injected failure of request 2" in bad.finish_reason
+        )
         assert [o.token_ids for i, o in enumerate(outs) if i != 2] == expected[:2] + expected[3:]
         assert all(o.finish_reason == "length" for i, o in enumerate(outs) if i != 2)
     finally:

@@ -293,9 +293,7 @@ def test_link_error_during_a_watched_wait_marks_health_dead(run) -> None:
     async def main() -> None:
         inbox, health = Inbox(), Liveness(rank=0)
         before = health.last_progress
-        waiting = asyncio.ensure_future(
-            watched(inbox.terminal(), Owed(5, Output, 2), 10.0, health)
-        )
+        waiting = asyncio.ensure_future(watched(inbox.terminal(), Owed(5, Output, 2), 10.0, health))
         await asyncio.sleep(0)
         inbox.fail(LinkError(2, "connection closed"))
         with pytest.raises(LinkError):

@@ -87,8 +87,14 @@ class Conductor:
         """Counters kept where the events happen, for /metrics."""
         return {
             "voids_total": (self.scheduler.voids, "passes voided by some rank"),
-            "sampling_fallbacks_total": (self.scheduler.fallbacks, "rows sampled by the NaN fallback"),
-            "wedge_suspicions_total": (self.health.suspicions, "waits that exceeded the wedge timeout"),
+            "sampling_fallbacks_total": (
+                self.scheduler.fallbacks,
+                "rows sampled by the NaN fallback",
+            ),
+            "wedge_suspicions_total": (
+                self.health.suspicions,
+                "waits that exceeded the wedge timeout",
+            ),
         }
 
     def submit(

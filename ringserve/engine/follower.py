@@ -91,7 +91,14 @@ class Follower:
             # links are FIFO, so the hidden of pass p was lost upstream: the
             # ring cannot go on; say so and let the group be torn down
             reason = f"rank {self.rank} got hidden of pass {hidden.pass_id}, owed {p}: hidden {p} was lost"
-            log.error("pass.lost", rank=self.rank, pass_id=p, kind="hidden", peer=self.rank - 1, got=hidden.pass_id)
+            log.error(
+                "pass.lost",
+                rank=self.rank,
+                pass_id=p,
+                kind="hidden",
+                peer=self.rank - 1,
+                got=hidden.pass_id,
+            )
             self.health.mark_dead(reason)
             raise RuntimeError(reason)
         void_rank = self.rank

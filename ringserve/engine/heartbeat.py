@@ -22,7 +22,12 @@ class Heartbeat:
     is sent only while no pass is in flight."""
 
     def __init__(
-        self, ring: RingEnds, scheduler: Scheduler, period_s: float, timeout_s: float, health: Liveness
+        self,
+        ring: RingEnds,
+        scheduler: Scheduler,
+        period_s: float,
+        timeout_s: float,
+        health: Liveness,
     ) -> None:
         self.ring, self.scheduler = ring, scheduler
         self.period_s, self.timeout_s, self.health = period_s, timeout_s, health

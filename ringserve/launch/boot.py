@@ -90,7 +90,9 @@ def build_rank_zero(config: EngineConfig, cfg: ModelConfig, world: int) -> RankZ
     passes_in_flight = config.passes_in_flight or world
     allocator = SlotAllocator(config.kv_capacity_tokens)
     scheduler = Scheduler(
-        SchedulerConfig.from_engine(config, cfg.max_position_embeddings, passes_in_flight), allocator, RadixCache(allocator)
+        SchedulerConfig.from_engine(config, cfg.max_position_embeddings, passes_in_flight),
+        allocator,
+        RadixCache(allocator),
     )
     return RankZero(
         scheduler,

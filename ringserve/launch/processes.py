@@ -72,7 +72,9 @@ class RankProcesses:
         self.procs: dict[int, subprocess.Popen] = {}
         for spec in specs:
             cmd = child_command(spec, config) + (["--log-dir", log_dir] if log_dir else [])
-            self.procs[spec.rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.procs[spec.rank] = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, start_new_session=True
+            )
 
     def culprit(self) -> str | None:
         """A rank that exited on its own (not because a link to it failed)."""

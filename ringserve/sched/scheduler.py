@@ -25,6 +25,7 @@ from ringserve.sched.table import RequestTable
 
 log = structlog.get_logger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Budgets of one pass. `passes_in_flight` is the pipeline depth S. The
