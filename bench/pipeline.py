@@ -47,7 +47,9 @@ def solo(args: argparse.Namespace) -> None:
 
 def ceiling(args: argparse.Namespace) -> float:
     cmd = [sys.executable, __file__, "--solo", "--requests", str(args.requests),
-           "--new-tokens", str(args.new_tokens)]  # fmt: skip
+           "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]  # fmt: skip
+    if args.model:
+        cmd += ["--model", args.model]
     twins = [
         subprocess.Popen(cmd + ["--seed", str(i)], stdout=subprocess.PIPE, text=True)
         for i in range(2)
