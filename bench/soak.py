@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -207,16 +208,21 @@ def launch(
     env = {**os.environ, "RINGSERVE_FAULTS": args.faults}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-    lines, pids = [], {}
-    deadline = time.monotonic() + 300
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        lines.append(line.rstrip())
-        if m := STARTED.search(line):
-            pids[int(m.group(1))] = int(m.group(2))
-        if "ready at" in line or time.monotonic() > deadline:
-            break
-    if "ready at" not in lines[-1]:
+    lines: list[str] = []
+    pids: dict[int, int] = {}
+    ready = threading.Event()
+
+    def drain() -> None:  # read stderr for the whole run: an unread pipe fills up
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line.rstrip())
+            if m := STARTED.search(line):
+                pids[int(m.group(1))] = int(m.group(2))
+            if "ready at" in line:
+                ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ready.wait(300):
         proc.kill()
         raise SystemExit("the server did not start:\n" + "\n".join(lines[-20:]))
     return proc, f"http://127.0.0.1:{port}", pids, lines

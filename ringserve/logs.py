@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,16 +81,64 @@ class _Sink:
 
 
 class _Console:
-    """structlog's logger behind the processors: writes what the last
-    processor rendered to stderr, and nothing for an event that only the
-    file keeps (cheaper than raising DropEvent for every debug event)."""
+    """structlog's logger behind the processors: hands what the last
+    processor rendered to a writer thread, and nothing for an event that only
+    the file keeps (cheaper than raising DropEvent for every debug event).
+
+    A rank must never stop because nobody reads its stderr (a full pipe, a
+    paused pager): the thread that logged never writes to stderr itself.
+    Invariant: lines come out whole and in order; beyond `BACKLOG` unwritten
+    lines a new one is dropped and counted, and the count is printed once
+    stderr takes lines again. The JSON file keeps every event regardless."""
+
+    BACKLOG = 2000
+
+    def __init__(self) -> None:
+        self.lines: deque[str] = deque()
+        self.dropped = 0
+        self.ready = threading.Condition()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread: threading.Thread | None = None
 
     def msg(self, message: str) -> None:
-        if message:
-            print(message, file=sys.stderr, flush=True)
+        if not message:
+            return
+        with self.ready:
+            if len(self.lines) >= self.BACKLOG:
+                self.dropped += 1
+                return
+            self.lines.append(message)
+            self.idle.clear()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._write, name="log-console", daemon=True)
+                self.thread.start()
+            self.ready.notify()
 
     debug = info = warning = warn = error = err = critical = fatal = exception = failure = msg
     log = msg
+
+    def flush(self, timeout_s: float = 1.0) -> None:
+        """Wait up to `timeout_s` for the lines handed over so far to be written."""
+        self.idle.wait(timeout_s)
+
+    def _write(self) -> None:
+        while True:
+            with self.ready:
+                while not self.lines:
+                    self.idle.set()
+                    self.ready.wait()
+                batch, dropped = list(self.lines), self.dropped
+                self.lines.clear()
+                self.dropped = 0
+            text = "\n".join(batch) + "\n"
+            if dropped:
+                text += f"ringserve: {dropped} console lines dropped: stderr was not being read\n"
+            try:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # stderr closed: the file still has every event
+                pass
 
 
 class _Tee:
@@ -100,8 +149,11 @@ class _Tee:
     link threads all log); every line reaches the file within
     `FLUSH_EVERY_S`, and at `flush()`."""
 
-    def __init__(self, rank: int, sink: _Sink | None, level: int, console_level: int) -> None:
+    def __init__(
+        self, rank: int, sink: _Sink | None, level: int, console_level: int, console: _Console
+    ) -> None:
         self.rank = rank
+        self.console = console
         self.sink = sink
         self.level = level
         self.console_level = console_level
@@ -126,8 +178,10 @@ class _Tee:
     def flush(self) -> None:
         if self.sink is not None:
             self.sink.flush()
+        self.console.flush()
 
     def close(self) -> None:
+        self.console.flush()
         sink, self.sink = self.sink, None
         if sink is not None:
             sink.close()
@@ -145,8 +199,9 @@ def _install(
         path = Path(log_dir) / f"rank{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         sink, file_floor = _Sink(path), LEVELS[file_level]
-    tee = _Tee(rank, sink, file_floor, LEVELS[console_level])
     console = _Console()
+    tee = _Tee(rank, sink, file_floor, LEVELS[console_level], console)
+    weakref.finalize(tee, console.flush)  # its lines written when replaced, or at exit
     structlog.configure(
         processors=[tee],
         wrapper_class=structlog.make_filtering_bound_logger(min(LEVELS[console_level], file_floor)),

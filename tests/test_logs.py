@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -161,3 +163,38 @@ def test_a_rank_killed_by_sigkill_leaves_its_events_up_to_the_kill(tmp_path):
         if e["event"] == "msg.received" and e["peer"] == 1 and e["t"] < killed_at - 0.1
     ]
     assert owed and [k for k in owed if k not in sent] == []
+
+
+UNREAD_STDERR = """
+import os, sys, time
+from ringserve import logs
+import structlog
+logs.configure(1, sys.argv[1], console_level="warning", final=True)
+log = structlog.get_logger("probe")
+for i in range(20000):
+    log.warning("probe.unread", i=i, pad="x" * 100)
+logs.flush()
+print("done", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_stderr_nobody_reads_keeps_going_and_its_file_keeps_everything(tmp_path):
+    """20000 console warnings are far more than a pipe holds: the logging
+    thread must never block on stderr (it would wedge the rank's loop)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UNREAD_STDERR, str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out = proc.stdout.readline()  # stderr is never read while it runs
+        assert out.strip() == "done"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    events = [e for e in read(tmp_path / "rank1.jsonl") if e["event"] == "probe.unread"]
+    assert [e["i"] for e in events] == list(range(20000))
+    assert "probe.unread" in proc.stderr.read()
