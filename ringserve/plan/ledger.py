@@ -108,7 +108,7 @@ def default_budgets(pp_size: int) -> list[Figure]:
     if not torch.cuda.is_available():
         available = _mem_available()
         budget = available // CPU_SHARE // pp_size
-        log.info("plan.budget", device="cpu", available=available, share=budget, ranks=pp_size)
+        log.debug("plan.budget", device="cpu", available=available, share=budget, ranks=pp_size)
         return [Figure(budget, "measured")] * pp_size
     count = torch.cuda.device_count()
     sharing = Counter(r % count for r in range(pp_size))
@@ -117,7 +117,7 @@ def default_budgets(pp_size: int) -> list[Figure]:
         free, whole = torch.cuda.mem_get_info(device)
         reserve = max(CUDA_RESERVE_MIN, whole // CUDA_RESERVE_FRACTION)
         per_device[device] = max(0, free - reserve) // ranks
-        log.info("plan.budget", device=f"cuda:{device}", free=free, reserve=reserve, ranks=ranks)
+        log.debug("plan.budget", device=f"cuda:{device}", free=free, reserve=reserve, ranks=ranks)
     return [Figure(per_device[r % count], "measured") for r in range(pp_size)]
 
 

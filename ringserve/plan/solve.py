@@ -174,5 +174,5 @@ def plan(
         max_capacity_tokens=max_capacity_tokens,
         objective=objective,
     )
-    log.info("plan.solved", **result.to_dict())
+    log.debug("plan.solved", **result.to_dict())  # the CLI prints the table itself
     return result
