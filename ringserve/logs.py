@@ -99,6 +99,7 @@ class _Console:
         self.ready = threading.Condition()
         self.idle = threading.Event()
         self.idle.set()
+        self.closing = False
         self.thread: threading.Thread | None = None
 
     def msg(self, message: str) -> None:
@@ -122,11 +123,22 @@ class _Console:
         """Wait up to `timeout_s` for the lines handed over so far to be written."""
         self.idle.wait(timeout_s)
 
+    def close(self) -> None:
+        """Write what is pending (for at most a second), then end the thread:
+        a console replaced by a new configuration leaves no thread behind."""
+        self.flush()
+        with self.ready:
+            self.closing = True
+            self.ready.notify()
+
     def _write(self) -> None:
         while True:
             with self.ready:
                 while not self.lines:
                     self.idle.set()
+                    if self.closing:
+                        self.thread = None  # a later line starts a new writer
+                        return
                     self.ready.wait()
                 batch, dropped = list(self.lines), self.dropped
                 self.lines.clear()
@@ -201,7 +213,7 @@ def _install(
         sink, file_floor = _Sink(path), LEVELS[file_level]
     console = _Console()
     tee = _Tee(rank, sink, file_floor, LEVELS[console_level], console)
-    weakref.finalize(tee, console.flush)  # its lines written when replaced, or at exit
+    weakref.finalize(tee, console.close)  # its lines written when replaced, or at exit
     structlog.configure(
         processors=[tee],
         wrapper_class=structlog.make_filtering_bound_logger(min(LEVELS[console_level], file_floor)),
