@@ -96,13 +96,9 @@ class _Pending:
     buffers: list[torch.Tensor]
 
 
-def _wait_all(pending: _Pending) -> None:
-    for work in pending.works:
-        work.wait()
-
-
 def _wait_works(works: list[dist.Work]) -> str | None:
-    """Wait on every handle; the first failure's reason, if any."""
+    """Wait on every handle, a failed one included (none is dropped
+    unobserved); the first failure's reason, if any."""
     reason = None
     for work in works:
         try:
@@ -110,6 +106,13 @@ def _wait_works(works: list[dist.Work]) -> str | None:
         except Exception as exc:  # gloo raises RuntimeError subclasses
             reason = reason or str(exc)
     return reason
+
+
+def _wait_all(pending: _Pending) -> None:
+    """The reader's wait on posted receives: every handle, then the failure."""
+    reason = _wait_works(pending.works)
+    if reason is not None:
+        raise RuntimeError(reason)
 
 
 class SendLink:
