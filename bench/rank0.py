@@ -36,6 +36,8 @@ PARTS = {  # a function's file -> the part of rank 0 it belongs to
     "engine/stage": "applying",
     "ring/codec": "encoding and sending",
     "ring/link": "encoding and sending",
+    "ring/send_link": "encoding and sending",
+    "ring/recv_link": "encoding and sending",
     "msgspec": "encoding and sending",
     "ring/inbox": "taking terminals",
     "ring/watchdog": "taking terminals",

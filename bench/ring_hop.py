@@ -31,8 +31,9 @@ from ringserve import logs
 from ringserve.ring.codec import TensorSpec
 from ringserve.ring.group import close_group, init_group
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.link import RecvLink, SendLink
 from ringserve.ring.messages import Decision, Hidden, Message
+from ringserve.ring.recv_link import RecvLink
+from ringserve.ring.send_link import SendLink
 
 LINK_TAG, RAW_TAG = 1, 2
 SIZES = {"4 KiB": 4 << 10, "4 MiB": 4 << 20}

@@ -30,8 +30,9 @@ from ringserve.ring.codec import FrameError, TensorSpec
 from ringserve.ring.errors import LinkError
 from ringserve.ring.group import close_group, init_group
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.link import RecvLink, SendLink
 from ringserve.ring.messages import Control, ControlKind, Decision, Entry, Hidden, Message, Output
+from ringserve.ring.recv_link import RecvLink
+from ringserve.ring.send_link import SendLink
 from ringserve.ring.watchdog import Liveness, Owed, watched
 
 TAG = 3

@@ -13,8 +13,8 @@ import torch
 from ringserve.engine.replica import ReplicaMismatch, Row
 from ringserve.engine.stage import PassFailed, Stage
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.link import SendLink
 from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
+from ringserve.ring.send_link import SendLink
 from ringserve.ring.watchdog import Liveness, Owed, watched
 
 log = structlog.get_logger(__name__)

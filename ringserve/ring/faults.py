@@ -31,8 +31,8 @@ import structlog
 import torch
 
 from ringserve import logs
-from ringserve.ring.link import SendLink
 from ringserve.ring.messages import MESSAGE_TYPES, Message
+from ringserve.ring.send_link import SendLink
 
 log = structlog.get_logger(__name__)
 

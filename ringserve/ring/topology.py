@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from ringserve.ring.announce import Expectation
 from ringserve.ring.faults import FaultPlan, FaultySend
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.link import RecvLink, SendLink
 from ringserve.ring.messages import Control, ControlKind
+from ringserve.ring.recv_link import RecvLink
+from ringserve.ring.send_link import SendLink
 
 MAX_IN_FLIGHT = 8
 
