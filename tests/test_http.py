@@ -504,7 +504,7 @@ async def test_health_is_503_with_the_reason_while_a_wait_is_overdue(server: Ser
     server.conductor.health.clear(token)
     assert (await server.get("/health"))[0] == 200
     _, text = await server.get("/metrics")
-    assert "ringserve_wedge_suspicions_total 1" in text.splitlines()
+    assert "ringserve_wedge_suspicions_total 1.0" in text.splitlines()
 
 
 @pytest.mark.timeout(30)
