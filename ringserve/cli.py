@@ -13,6 +13,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from ringserve.benchmark.options import add_arguments as bench_args
 from ringserve.config import KV_TOKENS_PER_WAITING, PLAN_FOR, EngineConfig, UserError
 
 
@@ -179,6 +180,12 @@ def _replay(args: argparse.Namespace) -> int:
     return replay_main(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from ringserve.benchmark.serve import run
+
+    return run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringserve", description=__doc__)
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -206,6 +213,12 @@ def parser() -> argparse.ArgumentParser:
     replay.add_argument("log_dir")
     replay.add_argument("--json", action="store_true", help="machine-readable report")
     replay.set_defaults(run=_replay)
+    bench = sub.add_parser(
+        "bench", help="measure an OpenAI-compatible server (vllm bench serve's flags)",
+        parents=[debug],
+    )  # fmt: skip
+    bench_args(bench)
+    bench.set_defaults(run=_bench)
     return p
 
 
