@@ -67,6 +67,7 @@ def _download(
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -91,6 +92,8 @@ def _download(
         ) from exc
     except RevisionNotFoundError as exc:
         raise UserError(f"{repo_id} has no revision {revision!r}") from exc
+    except IncompleteSnapshotError as exc:
+        raise UserError(f"the cached snapshot of {at} is incomplete: {exc}") from exc
     except LocalEntryNotFoundError as exc:
         why = "with HF_HUB_OFFLINE=1" if offline else "(no connection to the Hub?)"
         raise UserError(
