@@ -224,6 +224,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from ringserve import logs
+
+    logs.configure(console_level="warning")  # stdout is for what a command prints
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as exc:  # UserError, bad options, refused plans
