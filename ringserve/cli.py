@@ -130,8 +130,12 @@ def _budgets(args: argparse.Namespace) -> list[int] | None:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Refuse a port another process holds before any rank is started."""
-    with socket.socket() as s:
+    """Refuse a port another process holds before any rank is started (as
+    the server will bind it: address reuse on, so a closing socket's
+    TIME_WAIT does not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
