@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from ringserve import logs
 
-    logs.configure(console_level="warning")  # stdout is for what a command prints
+    # stdout is for what a command prints; errors say themselves, in one line
+    scope = logs.LogScope(0, None, console_level="debug" if args.debug else "error")
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as exc:  # UserError, bad options, refused plans
@@ -238,3 +239,5 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ringserve: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    finally:
+        scope.close()
