@@ -102,12 +102,13 @@ def numbers(text: str, flag: str, kind: type = int) -> tuple:
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
-    from ringserve.models.builtin import builtin_model_dir
     from ringserve.models.hub import resolve_model
 
     if args.model is None:
         if args.revision is not None:
             raise UserError("--revision needs --model")
+        from ringserve.models.builtin import builtin_model_dir
+
         return builtin_model_dir()
     return resolve_model(args.model, args.revision)
 
@@ -145,16 +146,18 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    if args.nnodes > 1 and args.master_port is None:
+        raise UserError("--master-port is required with --nnodes > 1")
+    if args.node_rank == 0:
+        _check_port_free(args.host, args.port)
+    budgets, config = _budgets(args), _config(args)  # mistakes found before torch loads
+
     from ringserve.http.options import HttpOptions
     from ringserve.launch.launcher import NodeSpec, launch, say
     from ringserve.launch.processes import free_port
     from ringserve.plan.sizing import size_ring
 
-    if args.nnodes > 1 and args.master_port is None:
-        raise UserError("--master-port is required with --nnodes > 1")
-    if args.node_rank == 0:
-        _check_port_free(args.host, args.port)
-    config, plan = size_ring(_config(args), args.pp, _budgets(args))
+    config, plan = size_ring(config, args.pp, budgets)
     if plan is not None:
         say("memory plan\n" + plan.table())
     node = NodeSpec(
@@ -169,9 +172,10 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    budgets, config = _budgets(args), _config(args)
     from ringserve.plan.sizing import size_ring
 
-    _, plan = size_ring(_config(args), args.pp, _budgets(args))
+    _, plan = size_ring(config, args.pp, budgets)
     if plan is None:
         raise UserError("plan needs --rank-memory-mib")
     print(plan.table())
