@@ -63,3 +63,17 @@ def test_the_command_line_plans_a_hub_id_offline_from_hf_home(hf_home):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "nobody/nothing@main is not in the Hugging Face cache" in done.stderr
+
+
+def test_llm_takes_a_hub_id_and_serves_its_snapshot(hf_home, monkeypatch):
+    from huggingface_hub import constants
+
+    from ringserve import LLM, SamplingParams
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with LLM(REPO_ID, kv_capacity_tokens=1024) as llm:
+        assert llm.config.model_dir.name == COMMIT
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        (out,) = llm.generate(["Hello"], params, use_tqdm=False)
+    assert len(out.token_ids) == 3 and out.text
