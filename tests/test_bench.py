@@ -107,6 +107,10 @@ def test_bench_against_a_launched_ring_serving_a_hub_id(tmp_path):
         assert m['ringserve:generation_tokens_total{model_name="tiny"}'] == 48
         assert m['ringserve:prompt_tokens_total{model_name="tiny"}'] == out["total_input_tokens"]
         assert m['ringserve:e2e_request_latency_seconds_count{model_name="tiny"}'] == 6
+        assert m['ringserve:request_generation_tokens_sum{model_name="tiny"}'] == 48
+        assert (
+            m['ringserve:request_prompt_tokens_sum{model_name="tiny"}'] == out["total_input_tokens"]
+        )
         assert m['ringserve:num_requests_running{model_name="tiny"}'] == 0
         # rank 1's own totals come round with the idle heartbeats
         deadline = time.monotonic() + 20

@@ -147,6 +147,8 @@ class RequestDesk:
         req = handle.req
         self.metrics.cache_hit_tokens += req.cached_tokens
         self.metrics.e2e.observe(time.monotonic() - handle.submitted)
+        self.metrics.prompt_lens.observe(len(req.prompt))
+        self.metrics.output_lens.observe(len(req.output))
         if req.finish_reason and req.finish_reason.startswith("error"):
             self.metrics.requests_failed += 1
         elif req.finish_reason in ("stop", "length"):

@@ -17,6 +17,7 @@ from ringserve.ring.messages import RankStats
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = tuple(m * 10**k for k in range(6) for m in (1, 2, 5))  # vLLM's 1, 2, 5 series
 
 
 @dataclass(slots=True)
@@ -61,6 +62,8 @@ class Metrics:
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS_S))
+    prompt_lens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    output_lens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason: stop, length, ...
 
 

@@ -115,6 +115,8 @@ SERIES: tuple[Series, ...] = (
     Series(f"{VLLM}time_per_output_token_seconds", "histogram", "time between output tokens", lambda c: c.metrics.tpot),
     Series(f"{VLLM}inter_token_latency_seconds", "histogram", "time between output tokens", lambda c: c.metrics.tpot),
     Series(f"{VLLM}e2e_request_latency_seconds", "histogram", "request latency, arrival to last token", lambda c: c.metrics.e2e),
+    Series(f"{VLLM}request_prompt_tokens", "histogram", "prompt tokens per finished request", lambda c: c.metrics.prompt_lens),
+    Series(f"{VLLM}request_generation_tokens", "histogram", "generated tokens per finished request", lambda c: c.metrics.output_lens),
 )  # fmt: skip
 
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
