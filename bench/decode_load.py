@@ -20,6 +20,6 @@ def tokens_per_s(llm: LLM, prompts: list[list[int]], new: int) -> float:
     """Generated tokens per second of wall time for one `generate` call."""
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     began = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.token_ids) == new for o in outs)
     return len(prompts) * new / (time.perf_counter() - began)

@@ -38,7 +38,7 @@ def workload(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def run_ringserve(llm: LLM, prompts: list[list[int]], new: int) -> float:
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     began = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - began
     assert all(len(o.token_ids) == new for o in outs)
     return len(prompts) * new / elapsed

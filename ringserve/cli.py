@@ -1,14 +1,20 @@
 """The `ringserve` command: `launch` serves a model, `plan` prints the memory
-plan for a rig, `replay` checks a run's logs."""
+plan for a rig, `replay` checks a run's logs, `bench` measures a server.
+
+A mistake on the command line (a model that is not there, a malformed list,
+a port in use, a split that does not fit) is one line on stderr and exit
+code 2; `--debug` shows the traceback instead."""
 
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from dataclasses import fields
 from pathlib import Path
 
-from ringserve.config import KV_TOKENS_PER_WAITING, PLAN_FOR, EngineConfig
+from ringserve.benchmark.options import add_arguments as bench_args
+from ringserve.config import KV_TOKENS_PER_WAITING, PLAN_FOR, EngineConfig, UserError
 
 
 def _defaults() -> dict[str, object]:
@@ -20,8 +26,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     out is not passed on)."""
     d = _defaults()
     p.add_argument(
-        "--model", default=None, help="Hugging Face model directory (default: built-in model)"
+        "--model",
+        default=None,
+        help="model directory or Hugging Face Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct "
+        "(default: built-in model)",
     )
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit (default main)")
     p.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
     p.add_argument(
         "--rank-memory-mib", default=None, help="memory budget per rank, e.g. 28000,9000,9000"
@@ -82,45 +92,92 @@ _PASSED_ON = (
 )  # fmt: skip
 
 
-def _config(args: argparse.Namespace) -> EngineConfig:
-    from ringserve.models.builtin import builtin_model_dir
+def numbers(text: str, flag: str, kind: type = int) -> tuple:
+    """`a,b,c` as numbers, or a UserError naming the flag."""
+    try:
+        return tuple(kind(x) for x in text.split(","))
+    except ValueError:
+        noun = "integers" if kind is int else "numbers"
+        raise UserError(f"{flag} {text!r}: give comma-separated {noun}, e.g. 3,5,4") from None
 
-    model = Path(args.model) if args.model else builtin_model_dir()
-    split = tuple(int(x) for x in args.layer_split.split(",")) if args.layer_split else None
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    from ringserve.models.hub import resolve_model
+
+    if args.model is None:
+        if args.revision is not None:
+            raise UserError("--revision needs --model")
+        from ringserve.models.builtin import builtin_model_dir
+
+        return builtin_model_dir()
+    return resolve_model(args.model, args.revision)
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    model = _model_dir(args)
+    split = numbers(args.layer_split, "--layer-split") if args.layer_split else None
     given = {k: getattr(args, k) for k in _PASSED_ON if getattr(args, k) is not None}
     if args.rank_speed:
-        given["rank_speed"] = tuple(float(x) for x in args.rank_speed.split(","))
+        given["rank_speed"] = numbers(args.rank_speed, "--rank-speed", float)
     return EngineConfig(
         model_dir=model, prefix_reuse=not args.no_prefix_reuse, layer_split=split, **given
     )
 
 
+def _budgets(args: argparse.Namespace) -> list[int] | None:
+    if not args.rank_memory_mib:
+        return None
+    return list(numbers(args.rank_memory_mib, "--rank-memory-mib"))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process holds before any rank is started (as
+    the server will bind it: address reuse on, so a closing socket's
+    TIME_WAIT does not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError(
+                f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port"
+            ) from None
+
+
 def _launch(args: argparse.Namespace) -> int:
+    if args.nnodes > 1 and args.master_port is None:
+        raise UserError("--master-port is required with --nnodes > 1")
+    if args.node_rank == 0:
+        _check_port_free(args.host, args.port)
+    budgets, config = _budgets(args), _config(args)  # mistakes found before torch loads
+
     from ringserve.http.options import HttpOptions
     from ringserve.launch.launcher import NodeSpec, launch, say
     from ringserve.launch.processes import free_port
     from ringserve.plan.sizing import size_ring
 
-    if args.nnodes > 1 and args.master_port is None:
-        raise SystemExit("ringserve: --master-port is required with --nnodes > 1")
-    config, plan = size_ring(_config(args), args.pp, args.rank_memory_mib)
+    config, plan = size_ring(config, args.pp, budgets)
     if plan is not None:
         say("memory plan\n" + plan.table())
     node = NodeSpec(
         args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port()
     )
-    http = HttpOptions(
-        host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name
-    )
+    # vLLM's default: the name the model was asked for (a Hub id, not its snapshot hash)
+    name = args.served_model_name
+    if name is None and args.model is not None and not Path(args.model).is_dir():
+        name = args.model
+    http = HttpOptions(host=args.host, port=args.port, api_key=args.api_key, model_name=name)
     return launch(node, config, http, args.log_dir)
 
 
 def _plan(args: argparse.Namespace) -> int:
+    budgets, config = _budgets(args), _config(args)
     from ringserve.plan.sizing import size_ring
 
-    _, plan = size_ring(_config(args), args.pp, args.rank_memory_mib)
+    _, plan = size_ring(config, args.pp, budgets)
     if plan is None:
-        raise SystemExit("ringserve: plan needs --rank-memory-mib")
+        raise UserError("plan needs --rank-memory-mib")
     print(plan.table())
     return 0
 
@@ -131,10 +188,19 @@ def _replay(args: argparse.Namespace) -> int:
     return replay_main(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from ringserve.benchmark.serve import run
+
+    return run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringserve", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    debug = argparse.ArgumentParser(add_help=False)  # `--debug` after the subcommand too
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
-    launch = sub.add_parser("launch", help="serve a model over HTTP")
+    launch = sub.add_parser("launch", help="serve a model over HTTP", parents=[debug])
     _engine_args(launch)
     launch.add_argument("--host", default="127.0.0.1")
     launch.add_argument("--port", type=int, default=8000)
@@ -146,20 +212,36 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-addr", default="127.0.0.1")
     launch.add_argument("--master-port", type=int, default=None)
     launch.set_defaults(run=_launch)
-    plan = sub.add_parser("plan", help="print the memory plan for --rank-memory-mib")
+    plan = sub.add_parser(
+        "plan", help="print the memory plan for --rank-memory-mib", parents=[debug]
+    )
     _engine_args(plan)
     plan.set_defaults(run=_plan)
-    replay = sub.add_parser("replay", help="check the logs of a run")
+    replay = sub.add_parser("replay", help="check the logs of a run", parents=[debug])
     replay.add_argument("log_dir")
     replay.add_argument("--json", action="store_true", help="machine-readable report")
     replay.set_defaults(run=_replay)
+    bench = sub.add_parser(
+        "bench", help="measure an OpenAI-compatible server (vllm bench serve's flags)",
+        parents=[debug],
+    )  # fmt: skip
+    bench_args(bench)
+    bench.set_defaults(run=_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from ringserve import logs
+
+    # stdout is for what a command prints; errors say themselves, in one line
+    scope = logs.LogScope(0, None, console_level="debug" if args.debug else "error")
     try:
         return args.run(args)
-    except ValueError as exc:  # bad options and refused plans say why
-        print(f"ringserve: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as exc:  # UserError, bad options, refused plans
+        if args.debug:
+            raise
+        print(f"ringserve: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    finally:
+        scope.close()

@@ -12,6 +12,12 @@ PLAN_FOR = ("capacity", "throughput", "balanced")  # what the planner optimises 
 KV_TOKENS_PER_WAITING = 16  # the default queue bound: one waiting request per this many KV slots
 
 
+class UserError(ValueError):
+    """A mistake the person running ringserve can fix (a model that is not
+    there, a malformed option, a port in use). The command line prints its
+    message as one line and exits 2; the message says what to change."""
+
+
 def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
     """`auto` serves in the checkpoint's dtype, except float16, which is slow
     on CPUs and is served as float32."""

@@ -9,7 +9,9 @@ from typing import Any
 from ringserve import logs
 from ringserve.config import EngineConfig
 from ringserve.launch.local_ring import LocalRing
+from ringserve.launch.progress import GenerateBar
 from ringserve.models.builtin import builtin_model_dir
+from ringserve.models.hub import resolve_model
 from ringserve.params import RequestOutput, SamplingParams
 from ringserve.plan.sizing import size_ring
 
@@ -29,9 +31,12 @@ class LLM:
         rank_memory_mib: list[int] | None = None,
         layer_split: list[int] | None = None,
         log_dir: str | None = None,
+        revision: str | None = None,
         **engine_options: Any,
     ) -> None:
-        model_dir = Path(model) if model is not None else builtin_model_dir()
+        """`model`: a model directory or a Hugging Face Hub id (at
+        `revision`), resolved here once; the ranks get the local directory."""
+        model_dir = resolve_model(model, revision) if model is not None else builtin_model_dir()
         if pp_size < 1:
             raise ValueError("pp_size must be >= 1")
         split = tuple(layer_split) if layer_split is not None else None
@@ -53,15 +58,21 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order. Raises RuntimeError
-        naming the cause when the ring fails underneath."""
+        """One RequestOutput per prompt, in prompt order; `use_tqdm` shows a
+        progress bar on stderr as vLLM does. Raises RuntimeError naming the
+        cause when the ring fails underneath."""
         prompts = _as_prompt_list(prompts)
         per_prompt = _per_prompt(params, len(prompts))
         ids = [self._encode(p) for p in prompts]
         if self._ring is None:
             raise RuntimeError("this LLM is closed")
-        outputs = self._ring.generate(ids, per_prompt)
+        bar = GenerateBar(len(ids), use_tqdm)
+        try:
+            outputs = self._ring.generate(ids, per_prompt, bar.done)
+        finally:
+            bar.close()
         if self._ring.conductor.failure is not None:
             raise RuntimeError(f"generation failed: {self._ring.conductor.failure}")
         return outputs

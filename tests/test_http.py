@@ -504,7 +504,7 @@ async def test_health_is_503_with_the_reason_while_a_wait_is_overdue(server: Ser
     server.conductor.health.clear(token)
     assert (await server.get("/health"))[0] == 200
     _, text = await server.get("/metrics")
-    assert "ringserve_wedge_suspicions_total 1" in text.splitlines()
+    assert "ringserve_wedge_suspicions_total 1.0" in text.splitlines()
 
 
 @pytest.mark.timeout(30)
@@ -550,6 +550,10 @@ async def test_metrics_expose_counters_and_kv_gauges(server: Server) -> None:
     assert values["ringserve_kv_slots_used"] == allocator.used > 0
     assert values["ringserve_kv_slots_cached"] == server.conductor.scheduler.cache.total_size
     assert "# TYPE ringserve_kv_slots_free gauge" in text
+    # vLLM's names: the request's slots are all in the prefix cache now, evictable, so free
+    assert values[f'ringserve:kv_cache_usage_perc{{model_name="{MODEL}"}}'] == 0.0
+    assert values[f'ringserve:generation_tokens_total{{model_name="{MODEL}"}}'] == 3
+    assert values[f'ringserve:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}'] == 1
 
 
 @pytest.mark.timeout(30)

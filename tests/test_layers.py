@@ -18,7 +18,7 @@ LAYERS = [
     {"plan"},
     {"http"},
     {"launch", "replay"},
-    {"llm", "client", "cli", "__main__", "__init__"},
+    {"llm", "client", "cli", "benchmark", "__main__", "__init__"},
 ]
 
 

@@ -18,12 +18,12 @@ from ringserve import logs
 from ringserve.engine.desk import RequestDesk
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.heartbeat import Heartbeat
-from ringserve.engine.metrics import Metrics
+from ringserve.engine.metrics import Metrics, RankReports
 from ringserve.engine.stage import PassFailed, Stage
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import SamplingParams
 from ringserve.ring.errors import LinkError
-from ringserve.ring.messages import Decision, Hidden, Output, Void
+from ringserve.ring.messages import Decision, Hidden, Output, RankStats, Void
 from ringserve.ring.topology import RingEnds
 from ringserve.ring.watchdog import Liveness, Owed, watched
 from ringserve.sched.scheduler import Scheduler
@@ -58,6 +58,7 @@ class Conductor:
         self._launched = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.failure: str | None = None
+        self.ranks = RankReports()  # the other ranks' totals, as heartbeats bring them
         self._trace = logs.tracing()  # asked once: digests per pass are not free
         log.info(
             "scheduler.config",
@@ -83,19 +84,12 @@ class Conductor:
     def handles(self) -> dict[int, RequestHandle]:
         return self.desk.handles
 
-    def counters(self) -> dict[str, tuple[float, str]]:
-        """Counters kept where the events happen, for /metrics."""
-        return {
-            "voids_total": (self.scheduler.voids, "passes voided by some rank"),
-            "sampling_fallbacks_total": (
-                self.scheduler.fallbacks,
-                "rows sampled by the NaN fallback",
-            ),
-            "wedge_suspicions_total": (
-                self.health.suspicions,
-                "waits that exceeded the wedge timeout",
-            ),
-        }
+    def rank_stats(self) -> list[tuple[RankStats, float]]:
+        """(running totals, age in seconds) per rank: rank 0's read now, the
+        others' as the last heartbeat brought them."""
+        sent = 0 if self.ring is None else self.ring.send.sent_bytes
+        own = RankStats(0, self.stage.forwards, self.stage.forward_s, sent)
+        return [(own, 0.0), *self.ranks.latest()]
 
     def submit(
         self, prompt: list[int], params: SamplingParams, stream_text: bool = True
@@ -118,7 +112,12 @@ class Conductor:
         jobs = [self._pump()]
         if self.ring is not None:
             beat = Heartbeat(
-                self.ring, self.scheduler, self.heartbeat_s, self.wedge_timeout_s, self.health
+                self.ring,
+                self.scheduler,
+                self.heartbeat_s,
+                self.wedge_timeout_s,
+                self.health,
+                self.ranks,
             )
             jobs += [self._terminals(), beat.run()]
         self._tasks = [asyncio.create_task(j) for j in jobs]

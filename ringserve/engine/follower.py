@@ -7,13 +7,22 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+import msgspec
 import structlog
 import torch
 
 from ringserve.engine.replica import ReplicaMismatch, Row
 from ringserve.engine.stage import PassFailed, Stage
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.messages import Control, ControlKind, Decision, Hidden, Output, Void
+from ringserve.ring.messages import (
+    Control,
+    ControlKind,
+    Decision,
+    Hidden,
+    Output,
+    RankStats,
+    Void,
+)
 from ringserve.ring.send_link import SendLink
 from ringserve.ring.watchdog import Liveness, Owed, watched
 
@@ -70,7 +79,14 @@ class Follower:
                 log.info("ring.shutdown", rank=self.rank)
                 await self.send.close()
                 return
+            if msg.kind is ControlKind.HEARTBEAT:
+                msg = msgspec.structs.replace(msg, stats=[*msg.stats, self.stats()])
             await self.send.send(msg)
+
+    def stats(self) -> RankStats:
+        """This rank's running totals, carried to rank 0 by heartbeats."""
+        stage = self.stage
+        return RankStats(self.rank, stage.forwards, stage.forward_s, self.send.sent_bytes)
 
     async def _passes(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,6 +1,8 @@
 """Rank 0's heartbeat: while no pass is in flight, a `Control(HEARTBEAT)`
 goes round the ring and its return is watched like any owed message, so a
-ring that wedged while idle still turns health red (DESIGN §2)."""
+ring that wedged while idle still turns health red (DESIGN §2). On its way
+round every rank adds its running totals (`RankStats`), which rank 0 keeps
+for /metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 
 import structlog
 
+from ringserve.engine.metrics import RankReports
 from ringserve.ring.messages import Control, ControlKind
 from ringserve.ring.topology import RingEnds
 from ringserve.ring.watchdog import Liveness, Owed, watched
@@ -28,9 +31,11 @@ class Heartbeat:
         period_s: float,
         timeout_s: float,
         health: Liveness,
+        reports: RankReports | None = None,
     ) -> None:
         self.ring, self.scheduler = ring, scheduler
         self.period_s, self.timeout_s, self.health = period_s, timeout_s, health
+        self.reports = reports if reports is not None else RankReports()
 
     async def run(self) -> None:
         seq = 0
@@ -49,4 +54,5 @@ class Heartbeat:
         while True:
             msg, _ = await self.ring.inbox.get(Control)
             if msg.kind is ControlKind.HEARTBEAT and msg.seq == seq:
+                self.reports.update(msg.stats)
                 return

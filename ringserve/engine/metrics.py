@@ -1,17 +1,30 @@
-"""Counters and histograms of rank 0, rendered as Prometheus text."""
+"""What rank 0 counts for /metrics, counted where the events happen: the
+desk's request and token counts and latency histograms (`Metrics`), and the
+running totals every rank reports round the ring in heartbeats
+(`RankReports`). Plain numbers, cheap to bump on the hot path; the HTTP
+layer exports them through prometheus-client (`http/prometheus.py`), which
+is where a new metric is named.
+"""
 
 from __future__ import annotations
 
 import bisect
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
+from ringserve.ring.messages import RankStats
+
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = tuple(m * 10**k for k in range(6) for m in (1, 2, 5))  # vLLM's 1, 2, 5 series
 
 
 @dataclass(slots=True)
 class Histogram:
-    """Cumulative-bucket histogram. Invariant: counts[i] counts observations
-    <= buckets[i]; the last count is the +Inf bucket."""
+    """Bucketed observations. Invariant: counts[i] counts observations
+    <= buckets[i] (and > buckets[i-1]); the last count is beyond the last
+    bucket."""
 
     buckets: tuple[float, ...] = LATENCY_BUCKETS_S
     counts: list[int] = field(default_factory=list)
@@ -26,15 +39,14 @@ class Histogram:
         self.total += value
         self.n += 1
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        running = 0
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, observations <= it) per bucket, `+Inf` last: the
+        shape Prometheus histograms are exposed in."""
+        out, running = [], 0
         for bound, count in zip(self.buckets, self.counts, strict=False):
             running += count
-            lines.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        lines += [f"{name}_sum {self.total}", f"{name}_count {self.n}"]
-        return lines
+            out.append((repr(float(bound)), running))
+        return [*out, ("+Inf", self.n)]
 
 
 @dataclass(slots=True)
@@ -49,43 +61,25 @@ class Metrics:
     passes: int = 0
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
+    e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS_S))
+    prompt_lens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    output_lens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    finished: Counter[str] = field(default_factory=Counter)  # by finish reason: stop, length, ...
 
-    def render(
-        self,
-        gauges: dict[str, tuple[float, str]],
-        owned: dict[str, tuple[float, str]] | None = None,
-    ) -> str:
-        """Prometheus text; `gauges` are point-in-time figures and `owned`
-        counters kept by their owners (name -> (value, help))."""
-        counters = {
-            "requests_total": (self.requests_total, "requests received"),
-            "requests_failed_total": (self.requests_failed, "requests that ended in an error"),
-            "requests_rejected_total": (
-                self.requests_rejected,
-                "requests refused because the waiting queue was full",
-            ),
-            "requests_timed_out_total": (
-                self.requests_timed_out,
-                "requests failed after waiting longer than the queue timeout",
-            ),
-            "prompt_tokens_total": (self.prompt_tokens, "prompt tokens received"),
-            "generation_tokens_total": (self.generation_tokens, "tokens generated"),
-            "cache_hit_tokens_total": (
-                self.cache_hit_tokens,
-                "prompt tokens served from the prefix cache",
-            ),
-            "passes_total": (self.passes, "passes completed"),
-            **(owned or {}),
-        }
-        lines: list[str] = []
-        for name, (value, text) in counters.items():
-            lines += [f"# HELP ringserve_{name} {text}", f"# TYPE ringserve_{name} counter"]
-            lines.append(f"ringserve_{name} {value}")
-        for name, (value, text) in gauges.items():
-            lines += [f"# HELP ringserve_{name} {text}", f"# TYPE ringserve_{name} gauge"]
-            lines.append(f"ringserve_{name} {value}")
-        lines += self.ttft.render("ringserve_time_to_first_token_seconds", "time to first token")
-        lines += self.tpot.render(
-            "ringserve_time_per_output_token_seconds", "time between output tokens"
-        )
-        return "\n".join(lines) + "\n"
+
+class RankReports:
+    """The latest running totals each rank sent round the ring, and when
+    they came. Invariant: holds at most one report per rank, the newest."""
+
+    def __init__(self) -> None:
+        self._latest: dict[int, tuple[RankStats, float]] = {}
+
+    def update(self, stats: list[RankStats]) -> None:
+        now = time.monotonic()
+        for s in stats:
+            self._latest[s.rank] = (s, now)
+
+    def latest(self) -> list[tuple[RankStats, float]]:
+        """(report, its age in seconds) per rank, in rank order."""
+        now = time.monotonic()
+        return [(s, now - at) for _, (s, at) in sorted(self._latest.items())]

@@ -29,6 +29,8 @@ class Stage:
         self.runner = runner
         self.rank = rank
         self.replica = Replica()
+        self.forwards = 0  # passes computed here, and their seconds, for /metrics
+        self.forward_s = 0.0
         self._trace = logs.tracing()  # asked once: a digest per pass is not free
 
     def apply(self, decision: Decision) -> list[Row]:
@@ -51,12 +53,15 @@ class Stage:
                 out = self.runner.sample(decision, rows, batch, out)
         except (RuntimeError, ValueError, IndexError) as exc:
             raise PassFailed(f"{type(exc).__name__}: {exc}") from exc
+        spent = time.monotonic() - began
+        self.forwards += 1
+        self.forward_s += spent
         log.debug(
             "pass.forward",
             rank=self.rank,
             pass_id=decision.pass_id,
             tokens=batch.num_tokens,
-            ms=round((time.monotonic() - began) * 1e3, 3),
+            ms=round(spent * 1e3, 3),
         )
         return out
 

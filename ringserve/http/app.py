@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
-from ringserve.http import chat, completions, info, native
+from ringserve.http import chat, completions, info, native, prometheus
 from ringserve.http.middleware import auth_middleware, error_middleware
 from ringserve.http.openapi import OPENAPI, Route, openapi_spec
 from ringserve.http.options import HttpOptions
@@ -93,6 +93,7 @@ def create_app(
         ],
     )
     app[SERVED] = ServedModel.build(conductor, options, plan, model_dir)
+    app[prometheus.REGISTRY] = prometheus.registry(conductor, app[SERVED].name)
     secured = options.api_key is not None
     app[OPENAPI] = openapi_spec(ROUTES, _version(), secured, app[SERVED].constraints)
     for route in ROUTES:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from ringserve.http import prometheus
 from ringserve.http.errors import ApiError
 from ringserve.http.openapi import OPENAPI
 from ringserve.http.responses import Health, ModelCard, ModelList, json_response
-from ringserve.http.served import SERVED, ServedModel
-
-PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from ringserve.http.served import SERVED
 
 
 async def health(request: web.Request) -> web.Response:
@@ -28,25 +27,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    conductor = request.app[SERVED].conductor
-    text = conductor.metrics.render(gauges(request.app[SERVED]), conductor.counters())
-    return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_TYPE})
-
-
-def gauges(served: ServedModel) -> dict[str, tuple[float, str]]:
-    conductor = served.conductor
-    scheduler = conductor.scheduler
-    allocator = scheduler.allocator
-    return {
-        "queue_depth": (len(scheduler.waiting), "requests waiting to be scheduled"),
-        "requests_running": (len(scheduler.running), "requests admitted and generating"),
-        "passes_in_flight": (len(scheduler.in_flight), "passes sent and not yet returned"),
-        "kv_slots_free": (allocator.available, "KV slots free"),
-        "kv_slots_used": (allocator.used, "KV slots allocated (running or cached)"),
-        "kv_slots_cached": (scheduler.cache.total_size, "KV slots held by the prefix cache"),
-        "kv_slots_capacity": (allocator.capacity - 1, "usable KV slots"),
-        "healthy": (int(conductor.health.healthy), "1 while the ring makes progress"),
-    }
+    body = prometheus.exposition(request.app)
+    return web.Response(body=body, headers={"Content-Type": prometheus.CONTENT_TYPE})
 
 
 async def models(request: web.Request) -> web.Response:

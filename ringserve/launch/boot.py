@@ -16,6 +16,7 @@ from ringserve.cache.radix import RadixCache
 from ringserve.config import EngineConfig, resolve_dtype
 from ringserve.engine.runner import Runner
 from ringserve.engine.stage import FaultyStage, Stage
+from ringserve.launch.progress import LoadProgress
 from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model
 from ringserve.models.tokenizer import Tokenizer
@@ -38,7 +39,8 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
     device = torch.device(config.device)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    model = load_model(config.model_dir, cfg, layers, dtype, device)
+    progress = LoadProgress(rank)
+    model = load_model(config.model_dir, cfg, layers, dtype, device, progress=progress)
     pool = KVPool(
         len(layers), config.kv_capacity_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device
     )

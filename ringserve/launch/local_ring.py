@@ -10,6 +10,7 @@ import atexit
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
 import uvloop
@@ -119,13 +120,21 @@ class LocalRing:
     # ---- the caller's thread ---------------------------------------------------
 
     def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_done: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        fut = asyncio.run_coroutine_threadsafe(self._generate(prompts, params), self.loop)
-        return fut.result()
+        """`on_done`, when given, is called (on rank 0's loop thread) with
+        each output as its request finishes."""
+        work = self._generate(prompts, params, on_done)
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result()
 
     async def _generate(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_done: Callable[[RequestOutput], None] | None,
     ) -> list[RequestOutput]:
         """Submit every prompt, waiting for a request to finish whenever the
         queue is at its bound (the offline caller is not refused)."""
@@ -142,6 +151,8 @@ class LocalRing:
                         await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 handles.append(handle)
                 results.append(asyncio.ensure_future(handle.result()))
+                if on_done is not None:
+                    results[-1].add_done_callback(_reporting(on_done))
             return list(await asyncio.gather(*results))
         except BaseException:
             for h in handles:
@@ -161,3 +172,13 @@ class LocalRing:
         self.children.stop()
         if len(self.specs) > 1:
             close_group()
+
+
+def _reporting(on_done: Callable[[RequestOutput], None]) -> Callable[[asyncio.Task], None]:
+    """A done-callback handing a request's output, if it has one, to `on_done`."""
+
+    def report(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            on_done(task.result())
+
+    return report

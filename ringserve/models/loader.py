@@ -4,7 +4,7 @@ reading only the tensors that slice holds."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,17 @@ class StageTensors(Mapping[str, torch.Tensor]):
     """A lazy mapping over exactly `names`: a tensor is read from its file
     when it is looked up, so loading keeps one source tensor in memory at a
     time. Use as a context manager; files open on first use. `read` lists
-    the names actually read, in order."""
+    the names actually read, in order; `on_read(nbytes)`, when given, is
+    told the stored size of each tensor read."""
 
-    def __init__(self, index: WeightIndex, names: list[str]) -> None:
+    def __init__(
+        self,
+        index: WeightIndex,
+        names: list[str],
+        on_read: Callable[[int], None] | None = None,
+    ) -> None:
         self._index = index
+        self._on_read = on_read
         self._names = list(names)
         self._wanted = set(names)
         self._handles: dict[Path, Any] = {}
@@ -51,7 +58,10 @@ class StageTensors(Mapping[str, torch.Tensor]):
             handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             self._handles[path] = handle
         self.read.append(name)
-        return handle.get_tensor(name)
+        tensor = handle.get_tensor(name)
+        if self._on_read is not None:
+            self._on_read(self._index[name].nbytes)
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -70,15 +80,26 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     index: WeightIndex | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ModelSlice:
     """The model slice holding `layers`, its weights cast to `dtype` on
-    `device`. Pass `index` to reuse one already read (the planner's)."""
+    `device`. Pass `index` to reuse one already read (the planner's), and
+    `progress(read, total)` to hear the stored bytes read so far."""
     started = time.monotonic()
     if index is None:
         index = WeightIndex.from_dir(model_dir)
     names = index.stage_tensor_names(cfg, layers)
     model = build_model(cfg, layers, dtype, device)
-    with StageTensors(index, names) as tensors:
+    on_read = None
+    if progress is not None:
+        total, read = sum(index.nbytes(n) for n in names), 0
+
+        def on_read(nbytes: int) -> None:
+            nonlocal read
+            read += nbytes
+            progress(read, total)
+
+    with StageTensors(index, names, on_read) as tensors:
         try:
             model.load_state(tensors)
         except ValueError as e:

@@ -100,11 +100,22 @@ class ControlKind(enum.StrEnum):
     READY = "ready"
 
 
+class RankStats(msgspec.Struct, frozen=True):
+    """One rank's running totals since it started, for rank 0's /metrics:
+    passes it computed, seconds spent in them, bytes it sent on its link."""
+
+    rank: int
+    forwards: int = 0
+    forward_s: float = 0.0
+    sent_bytes: int = 0
+
+
 class Control(msgspec.Struct, frozen=True, tag="control"):
     kind: ControlKind
     seq: int = 0
     rank: int = 0
     reason: str = ""
+    stats: list[RankStats] = []  # a heartbeat gathers each rank's as it goes round
 
 
 Message = Decision | Hidden | Output | Void | Control

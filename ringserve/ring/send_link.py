@@ -78,6 +78,7 @@ class SendLink:
         self._settle_waiters: list[asyncio.Future[None]] = []
         self._error: LinkError | None = None
         self._shut = False
+        self.sent_bytes = 0  # frames handed to gloo, for /metrics
         self._queue: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._observe, name=f"ring-send-{peer}", daemon=True)
         self._thread.start()
@@ -127,8 +128,10 @@ class SendLink:
         # not wait for that.
         self._queue.put(_Outgoing(parts, [*fr.buffers, *ahead]))
         self._raise_if_failed()
+        nbytes = sum(b.nbytes for b, _ in parts)
+        self.sent_bytes += nbytes
         if self._trace:
-            log_message("msg.sent", msg, sum(b.nbytes for b, _ in parts), self.peer)
+            log_message("msg.sent", msg, nbytes, self.peer)
 
     def _frame(
         self, msg: Message, tensors: Sequence[torch.Tensor]

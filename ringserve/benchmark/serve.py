@@ -1,0 +1,165 @@
+"""`ringserve bench`: drive a running OpenAI-compatible server with
+`vllm bench serve`'s flags and print its report (or `--json`).
+
+    ringserve bench --base-url http://127.0.0.1:8000 --num-prompts 200 \\
+        --request-rate 8 --random-input-len 512 --random-output-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from tqdm import tqdm
+
+from ringserve.benchmark.datasets import SampleRequest, random_requests, sharegpt_requests
+from ringserve.benchmark.request import RequestResult, Target, send
+from ringserve.benchmark.results import METRICS, parse_goodput, report, summarise
+from ringserve.config import UserError
+from ringserve.models.tokenizer import Tokenizer
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    summary = asyncio.run(benchmark(args))
+    if args.result_filename:
+        Path(args.result_filename).write_text(json.dumps(summary, indent=2))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(report(summary, max_concurrency=args.max_concurrency, request_rate=args.request_rate))
+    return 0 if summary["completed"] else 1
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise UserError("--num-prompts must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise UserError("--max-concurrency must be at least 1")
+    if not args.request_rate > 0 or not args.burstiness > 0:
+        raise UserError("--request-rate and --burstiness must be > 0")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise UserError("--dataset-name sharegpt needs --dataset-path FILE.json")
+    unknown = set(args.percentile_metrics.split(",")) - set(METRICS)
+    if unknown:
+        raise UserError(f"--percentile-metrics: unknown {sorted(unknown)}; known {list(METRICS)}")
+
+
+async def benchmark(args: argparse.Namespace) -> dict:
+    base = args.base_url or f"http://{args.host}:{args.port}"
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        model = args.model or await _first_model(session, base, args.api_key)
+        requests = _requests(args, _tokenizer(args.tokenizer or model))
+        target = Target(base, args.endpoint, model, args.api_key, args.temperature, args.ignore_eos)
+        results = await _drive(session, target, requests, args)
+    duration, results = results
+    return {
+        "base_url": base,
+        "model": model,
+        "endpoint": args.endpoint,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        **summarise(
+            results,
+            duration,
+            percentiles=[float(p) for p in args.metric_percentiles.split(",")],
+            slos=parse_goodput(args.goodput),
+            metrics=args.percentile_metrics.split(","),
+        ),
+    }
+
+
+async def _drive(
+    session: aiohttp.ClientSession,
+    target: Target,
+    requests: list[SampleRequest],
+    args: argparse.Namespace,
+) -> tuple[float, list[RequestResult]]:
+    """Send every request on its arrival time, at most `max_concurrency`
+    at once; returns the wall time from the first send to the last reply."""
+    bar = tqdm(total=len(requests), disable=args.disable_tqdm or args.json, file=sys.stderr)
+    cap = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+    async def one(req: SampleRequest) -> RequestResult:
+        if cap is None:
+            result = await send(session, target, req)
+        else:
+            async with cap:
+                result = await send(session, target, req)
+        bar.update(1)
+        return result
+
+    began = time.perf_counter()
+    tasks = []
+    async for req in _arrivals(requests, args.request_rate, args.burstiness, args.seed):
+        tasks.append(asyncio.create_task(one(req)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - began
+    bar.close()
+    return duration, list(results)
+
+
+async def _arrivals(
+    requests: list[SampleRequest], rate: float, burstiness: float, seed: int
+) -> AsyncIterator[SampleRequest]:
+    """vLLM's arrival process: gaps drawn from a gamma distribution of mean
+    1/rate (shape `burstiness`; 1 is a Poisson process), none at rate inf."""
+    rng = random.Random(seed)
+    for req in requests:
+        yield req
+        if rate != float("inf"):
+            await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+
+
+async def _first_model(session: aiohttp.ClientSession, base: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with session.get(base.rstrip("/") + "/v1/models", headers=headers) as resp:
+            models = (await resp.json())["data"]
+    except (aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
+        raise UserError(f"cannot list the models of {base} ({exc}); is the server up?") from None
+    if not models:
+        raise UserError(f"{base} serves no model")
+    return models[0]["id"]
+
+
+def _tokenizer(name: str) -> Tokenizer | None:
+    """The tokenizer of `name` when its files are here (a directory or the
+    Hub cache); without one, prompts are counted in words."""
+    from ringserve.models.hub import resolve_model
+
+    try:
+        return Tokenizer.from_dir(resolve_model(name, local_files_only=True))
+    except (UserError, OSError, ValueError):
+        return None
+
+
+def _requests(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[SampleRequest]:
+    if args.dataset_name == "sharegpt":
+        return sharegpt_requests(
+            args.dataset_path,
+            args.num_prompts,
+            output_len=args.sharegpt_output_len,
+            tokenizer=tokenizer,
+            seed=args.seed,
+        )
+    return random_requests(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        range_ratio=args.random_range_ratio,
+        prefix_len=args.random_prefix_len,
+        tokenizer=tokenizer,
+        seed=args.seed,
+    )

@@ -1,0 +1,78 @@
+"""A mistake at the command line is one line on stderr and exit code 2, no
+traceback; `--debug` shows the traceback. Each case runs the real command
+as a subprocess, all of them at once."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ringserve.models.builtin import builtin_model_dir
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def unknown_family(tmp) -> str:
+    model = tmp / "mamba"
+    model.mkdir()
+    config = json.loads((builtin_model_dir() / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    return str(model)
+
+
+def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cases = {
+            "missing model": (["launch", "--model", str(tmp_path / "nope")], "no such directory"),
+            "bad budget list": (
+                ["launch", "--pp", "2", "--rank-memory-mib", "9000,lots"],
+                "--rank-memory-mib '9000,lots': give comma-separated integers",
+            ),
+            "port in use": (["launch", "--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+            "split does not fit": (
+                ["launch", "--pp", "2", "--rank-memory-mib", "10,10"],
+                "rank 1 cannot hold its slice",
+            ),
+            "unknown family": (
+                ["plan", "--model", unknown_family(tmp_path), "--rank-memory-mib", "900"],
+                "unsupported model_type 'mamba'",
+            ),
+        }
+        procs = {
+            name: subprocess.Popen(
+                [sys.executable, "-m", "ringserve", *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for name, (argv, _) in cases.items()
+        }
+        try:
+            done = {name: p.communicate(timeout=60) for name, p in procs.items()}
+        finally:
+            for p in procs.values():
+                p.kill()
+                p.wait()
+    for name, (_, said) in cases.items():
+        _, err = done[name]
+        assert procs[name].returncode == 2, (name, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ringserve: "), (name, err)
+        assert said in lines[0], (name, err)
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    argv = ["launch", "--model", str(tmp_path / "nope"), "--debug"]
+    done = subprocess.run(
+        [sys.executable, "-m", "ringserve", *argv], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "Traceback" in done.stderr and "UserError: model" in done.stderr
