@@ -96,3 +96,36 @@ def test_the_host_tier_off_recomputes_what_it_would_have_loaded(chats):
         outs = llm.generate(second, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert not all(o.cached_tokens >= len(p) - 5 for o, p in zip(outs, second, strict=True))
+
+
+@pytest.mark.timeout(60)
+async def test_metrics_report_the_host_tier_moves_after_a_real_client_repeats_prompts():
+    from openai import AsyncOpenAI
+
+    from tests.test_http import serving
+
+    prompts = [[10 + i] + list(range(100 + 40 * i, 130 + 40 * i)) for i in range(4)]
+    async with serving(kv_capacity_tokens=64, host_kv_tokens=512, max_batch=8) as server:
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        for prompt in prompts + prompts:
+            await client.completions.create(
+                model="ringserve-builtin", prompt=prompt, max_tokens=2, temperature=0
+            )
+        await server.assert_no_kv_held()
+        _, text = await server.get("/metrics")
+        await client.close()
+    values = {
+        line.split()[0].removeprefix("ringserve_"): float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    cache = server.conductor.scheduler.cache
+    assert values["kv_spilled_tokens_total"] == cache.spilled_tokens > 0
+    assert values["kv_loaded_tokens_total"] == cache.loaded_tokens >= 3 * 30
+    assert values["kv_host_hit_tokens_total"] == cache.host_hit_tokens == cache.loaded_tokens
+    assert values["kv_host_slots_used"] == cache.host.used > 0
+    assert values["kv_host_slots_used"] + values["kv_host_slots_free"] == 512
+    assert values["kv_host_slots_capacity"] == 512
+    assert values["kv_moves_rolled_back_tokens_total"] == 0
+    assert "# TYPE ringserve_kv_host_slots_free gauge" in text
+    assert "# TYPE ringserve_kv_spilled_tokens_total counter" in text

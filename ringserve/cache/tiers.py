@@ -41,7 +41,8 @@ class TieredCache(RadixCache):
     spills to the host before it drops anything; a match may end in host
     nodes that `load` brings back into fresh device slots. Receipts are
     plain counters: tokens spilled and loaded by passes that came back,
-    host tokens evicted, moves rolled back by voids."""
+    prefix tokens admissions found in the host tier (loaded for them),
+    host tokens evicted, tokens of moves rolled back by voids."""
 
     def __init__(self, allocator: SlotAllocator, host: SlotAllocator) -> None:
         super().__init__(allocator)
@@ -51,6 +52,7 @@ class TieredCache(RadixCache):
         self._sealed: dict[int, tuple[list[Move], list[Move]]] = {}
         self.spilled_tokens = 0
         self.loaded_tokens = 0
+        self.host_hit_tokens = 0
         self.host_evicted_tokens = 0
         self.rolled_back_tokens = 0
 
@@ -102,6 +104,7 @@ class TieredCache(RadixCache):
             n.pending = True
             self._locked += len(n.value)
             self._loads.append(Move(n, n.host, n.value))
+        self.host_hit_tokens += len(slots)
         if hosts:
             log.info("cache.load", tokens=len(slots), nodes=len(hosts))
 
@@ -312,3 +315,36 @@ def prefix_cache(allocator: SlotAllocator, host_tokens: int) -> RadixCache:
     if host_tokens == 0:
         return RadixCache(allocator)
     return TieredCache(allocator, SlotAllocator(host_tokens + 1))
+
+
+def tier_gauges(cache: RadixCache) -> dict[str, tuple[float, str]]:
+    """Point-in-time figures of the host tier, for /metrics (none without one)."""
+    if not isinstance(cache, TieredCache):
+        return {}
+    return {
+        "kv_host_slots_used": (cache.host.used, "host KV slots holding cached prefixes"),
+        "kv_host_slots_free": (cache.host.available, "host KV slots free"),
+        "kv_host_slots_capacity": (cache.host_capacity, "usable host KV slots"),
+    }
+
+
+def tier_counters(cache: RadixCache) -> dict[str, tuple[float, str]]:
+    """The host tier's receipts, for /metrics (none without one)."""
+    if not isinstance(cache, TieredCache):
+        return {}
+    return {
+        "kv_spilled_tokens_total": (cache.spilled_tokens, "tokens spilled to the host tier"),
+        "kv_loaded_tokens_total": (cache.loaded_tokens, "tokens loaded back from the host tier"),
+        "kv_host_hit_tokens_total": (
+            cache.host_hit_tokens,
+            "prompt prefix tokens found in the host tier and loaded for an admission",
+        ),
+        "kv_host_evicted_tokens_total": (
+            cache.host_evicted_tokens,
+            "tokens evicted from the host tier",
+        ),
+        "kv_moves_rolled_back_tokens_total": (
+            cache.rolled_back_tokens,
+            "tokens of spills and loads rolled back by voided passes",
+        ),
+    }

@@ -15,6 +15,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 import structlog
 
 from ringserve import logs
+from ringserve.cache.tiers import tier_counters
 from ringserve.engine.desk import RequestDesk
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.heartbeat import Heartbeat
@@ -96,6 +97,7 @@ class Conductor:
                 self.health.suspicions,
                 "waits that exceeded the wedge timeout",
             ),
+            **tier_counters(self.scheduler.cache),
         }
 
     def submit(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from ringserve.cache.tiers import tier_gauges
 from ringserve.http.errors import ApiError
 from ringserve.http.openapi import OPENAPI
 from ringserve.http.responses import Health, ModelCard, ModelList, json_response
@@ -46,6 +47,7 @@ def gauges(served: ServedModel) -> dict[str, tuple[float, str]]:
         "kv_slots_cached": (scheduler.cache.total_size, "KV slots held by the prefix cache"),
         "kv_slots_capacity": (allocator.capacity - 1, "usable KV slots"),
         "healthy": (int(conductor.health.healthy), "1 while the ring makes progress"),
+        **tier_gauges(scheduler.cache),
     }
 
 
