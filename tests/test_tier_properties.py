@@ -8,6 +8,8 @@ balance after every step."""
 
 from __future__ import annotations
 
+import copy
+import math
 from pathlib import Path
 
 from hypothesis import settings
@@ -124,14 +126,19 @@ class TierTraffic(RuleBasedStateMachine):
         check_census(self.sched.census())
 
     @invariant()
-    def host_evictable_is_what_evicting_the_host_pays(self) -> None:
+    def evicting_everything_pays_what_each_tier_calls_evictable(self) -> None:
         cache = self.sched.cache
-        if isinstance(cache, TieredCache):
-            assert cache.host_evictable + cache.host_pinned == cache.host.used
+        if not isinstance(cache, TieredCache):
+            return
+        assert cache.host_evictable + cache.host_pinned == cache.host.used
+        twin = copy.deepcopy(cache)
+        assert twin.evict(math.inf) == cache.evictable_size and twin.evictable_size == 0
+        evictable = twin.host_evictable
+        assert twin.evict_host(math.inf) == evictable and twin.host_evictable == 0
 
 
 TierTraffic.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=60, deadline=None, database=None
+    max_examples=100, stateful_step_count=60, deadline=None, database=None
 )
 TestTierTraffic = TierTraffic.TestCase
 

@@ -19,7 +19,9 @@ loaded, evicted from the host or inserted through: its copy's target is not
 trusted until the terminal of the pass carrying it confirms it, and a void
 rolls it back (a load's node returns to the host; a spill's node is dropped,
 since its device slots were freed and may already hold other tokens);
-(4) `host_evictable` counts exactly what `evict_host(math.inf)` pays.
+(4) `host_evictable` counts exactly what `evict_host(math.inf)` pays (a
+node on both tiers that leaves the device may keep children in transit,
+so "unlocked and not in transit" is not enough: see `host_pinned`).
 """
 
 from __future__ import annotations
@@ -64,13 +66,27 @@ class TieredCache(RadixCache):
 
     @property
     def host_evictable(self) -> int:
-        """Host slots of nodes neither locked nor in transit."""
-        return sum(len(n.host) for n in self._nodes() if n.host and self._host_free_to_go(n))
+        """Host slots that `evict_host(math.inf)` would free now."""
+        return self._host_split()[0]
 
     @property
     def host_pinned(self) -> int:
-        """Host slots of locked nodes and of nodes in transit."""
-        return sum(len(n.host) for n in self._nodes() if n.host and not self._host_free_to_go(n))
+        """Host slots it would not: a locked node's, a node's in transit, and
+        a host-only node's above one of those (a node on both tiers, once it
+        leaves the device, may have children whose spill is in flight)."""
+        return self._host_split()[1]
+
+    def _host_split(self) -> tuple[int, int]:
+        stays: set[int] = set()  # nodes host eviction cannot take out of the tree
+        evictable = pinned = 0
+        for n in reversed(list(self._nodes())):  # children before parents
+            blocked = any(id(c) in stays for c in n.children.values())
+            if n.value or blocked or not self._host_free_to_go(n):
+                stays.add(id(n))
+            freeable = self._host_free_to_go(n) and (bool(n.value) or not blocked)
+            evictable += len(n.host) if freeable else 0
+            pinned += 0 if freeable else len(n.host)
+        return evictable, pinned
 
     # ---- matching and loading --------------------------------------------------
 
@@ -131,6 +147,10 @@ class TieredCache(RadixCache):
             else:
                 self.rolled_back_tokens += len(node.host)
                 self._drop_subtree(node)
+        if confirmed and (spills or loads):
+            log.debug(
+                "cache.moves_confirmed", pass_id=pass_id, spills=len(spills), loads=len(loads)
+            )
         if not confirmed and (spills or loads):
             log.warning(
                 "cache.moves_rolled_back", pass_id=pass_id, spills=len(spills), loads=len(loads)
