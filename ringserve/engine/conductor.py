@@ -15,7 +15,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 import structlog
 
 from ringserve import logs
-from ringserve.cache.tiers import tier_counters
+from ringserve.cache.tier_figures import tier_counters
 from ringserve.engine.desk import RequestDesk
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.heartbeat import Heartbeat

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from ringserve.cache.tiers import tier_gauges
+from ringserve.cache.tier_figures import tier_gauges
 from ringserve.http.errors import ApiError
 from ringserve.http.openapi import OPENAPI
 from ringserve.http.responses import Health, ModelCard, ModelList, json_response
