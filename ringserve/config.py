@@ -58,6 +58,8 @@ class EngineConfig:
     min_kv_tokens: int | None = None  # the planner refuses a capacity below this
     max_waiting_requests: int | None = None  # default: kv_capacity_tokens // KV_TOKENS_PER_WAITING
     queue_timeout_s: float | None = None  # None: a request waits as long as it takes
+    host_kv_tokens: int = 0  # host tier slots per rank (the same on every rank); 0: none
+    host_kv_mib: int | None = None  # host tier budget per rank; the planner solves the tokens
     plan: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +72,8 @@ class EngineConfig:
             object.__setattr__(self, "rank_speed", speeds)  # a list given to LLM(...) too
         if self.min_kv_tokens is not None and self.min_kv_tokens < 2:
             raise ValueError("min_kv_tokens must be >= 2")
+        if self.host_kv_tokens < 0 or (self.host_kv_mib is not None and self.host_kv_mib < 1):
+            raise ValueError("host_kv_tokens must be >= 0 and host_kv_mib >= 1")
         if self.kv_capacity_tokens < 2:
             raise ValueError("kv_capacity_tokens must be >= 2")
         if self.wedge_timeout_s <= 0 or self.heartbeat_s <= 0:

@@ -89,7 +89,7 @@ async def serving(
     `engine`: more EngineConfig options."""
     config = EngineConfig(
         model_dir=builtin_model_dir(),
-        kv_capacity_tokens=4096,
+        kv_capacity_tokens=engine.pop("kv_capacity_tokens", 4096),
         max_model_len=max_model_len,
         **engine,
     )

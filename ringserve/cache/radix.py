@@ -22,9 +22,25 @@ class RadixNode:
     `lock_ref` counts the locks taken on this node or a descendant, so it
     never exceeds its parent's; `last_access` is the cache's clock at the last
     match or insert through this node. Opaque to callers: a handle to pass
-    back to lock and unlock."""
+    back to lock and unlock.
 
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "serial")
+    With a host tier (`cache/tiers.py`) a node's KV may live on the device
+    (`value`), in host memory (`host`) or both; an empty list means "not in
+    that tier". `pending` marks a copy between the tiers that some pass in
+    flight carries: until its terminal confirms it, the copy's target is
+    not trusted."""
+
+    __slots__ = (
+        "key",
+        "value",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access",
+        "serial",
+        "host",
+        "pending",
+    )
 
     def __init__(
         self, key: list[int], value: list[int], parent: RadixNode | None, serial: int, clock: int
@@ -36,11 +52,41 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = clock
         self.serial = serial
+        self.host: list[int] = []
+        self.pending = False
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the node's device KV can be read: there and not in transit."""
+        return bool(self.value) and not self.pending
 
 
 class MatchResult(NamedTuple):
     slots: list[int]  # slots of the longest cached prefix (len == matched tokens)
     node: RadixNode  # deepest node covering exactly that prefix (root when nothing matched)
+
+
+class TierMatch(NamedTuple):
+    """The longest prefix cached in either tier: `slots` and `node` as in
+    MatchResult for its device part, then `hosts`, the nodes below `node`
+    (top down) whose KV is only in host memory and could be loaded back."""
+
+    slots: list[int]
+    node: RadixNode
+    hosts: list[RadixNode]
+
+    @property
+    def host_tokens(self) -> int:
+        return sum(len(n.host) for n in self.hosts)
+
+
+class Move(NamedTuple):
+    """One node's KV copied between the tiers: slots `src` to slots `dst`
+    (device to host for a spill, host to device for a load)."""
+
+    node: RadixNode
+    src: list[int]
+    dst: list[int]
 
 
 class RadixCache:
@@ -85,6 +131,25 @@ class RadixCache:
         """The longest cached prefix of tokens; splits the edge it ends inside."""
         node, slots = self._match(list(tokens))
         return MatchResult(slots, node)
+
+    # ---- the host tier: none here (cache/tiers.py has one) ---------------------
+
+    @property
+    def host_capacity(self) -> int:
+        """Usable host slots; 0: there is no host tier."""
+        return 0
+
+    def match_tiers(self, tokens: Sequence[int]) -> TierMatch:
+        """The longest prefix cached on the device or in host memory."""
+        found = self.match_prefix(tokens)
+        return TierMatch(found.slots, found.node, [])
+
+    def seal_moves(self, pass_id: int) -> tuple[list[Move], list[Move]]:
+        """The spills and loads decided since the last pass, now carried by `pass_id`."""
+        return [], []
+
+    def settle_moves(self, pass_id: int, confirmed: bool) -> None:
+        """The terminal of `pass_id` arrived: confirm its moves, or roll them back."""
 
     def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> list[int]:
         """Cache tokens at slots, taking the slots of positions not yet cached.
@@ -170,6 +235,8 @@ class RadixCache:
         node, pos, slots = self._root, 0, []
         while pos < len(tokens) and tokens[pos] in node.children:
             child = node.children[tokens[pos]]
+            if not child.on_device:
+                break
             common = _common_length(child.key, tokens, pos)
             if common < len(child.key):
                 child = self._split(child, common)

@@ -64,6 +64,7 @@ class Conductor:
             "scheduler.config",
             config=scheduler.config,
             kv_capacity=scheduler.allocator.capacity,
+            host_kv_capacity=scheduler.cache.host_capacity,
             eos_ids=sorted(desk.new_request.eos_ids),
             world=1 if ring is None else ring.last_rank + 1,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ringserve.cache.host_pool import HostPool
 from ringserve.cache.pool import KVPool
 from ringserve.engine.replica import Row
 from ringserve.engine.sampler import Sampler
@@ -23,9 +24,11 @@ class Runner:
         device: torch.device,
         layers: range,
         num_layers: int,
+        host: HostPool | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
+        self.host = host
         self.device = device
         self.layers = layers
         self.first = layers.start == 0
@@ -40,6 +43,16 @@ class Runner:
             [e.sample for e in entries],
             self.device,
         )
+
+    @torch.inference_mode()
+    def move_kv(self, decision: Decision) -> None:
+        """The pass's copies between the tiers, spills first (see Decision)."""
+        if not decision.spills and not decision.loads:
+            return
+        if self.host is None:
+            raise ValueError("this rank has no host KV tier, but the pass moves KV to it")
+        self.host.spill(self.pool, decision.spills)
+        self.host.load(self.pool, decision.loads)
 
     @torch.inference_mode()
     def forward(

@@ -47,6 +47,7 @@ class Stage:
         Raises PassFailed when the pass cannot run here."""
         began = time.monotonic()
         try:
+            self.runner.move_kv(decision)
             batch = self.runner.batch(decision, rows)
             out = self.runner.forward(decision, batch, hidden)
             if self.runner.last:

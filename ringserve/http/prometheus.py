@@ -17,7 +17,9 @@ Adding a metric is one line in `SERIES`: `Series(name, kind, help, read)`,
 where `read(conductor)` returns a number (counter, gauge), a `Histogram`, or
 `{label values: number}` for a labelled series (name its `labels`). A new
 count also needs its field in `engine/metrics.Metrics` and its `+= 1` where
-the event happens. A counter's name ends in `_total`.
+the event happens. A counter's name ends in `_total`. Figures that exist
+only in some configurations (the host KV tier's) come from their owner as
+`{name: (value, help)}` and are exported as `ringserve_<name>`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from ringserve.cache.tier_figures import tier_counters, tier_gauges
 from ringserve.engine.conductor import Conductor
 from ringserve.engine.metrics import Histogram
 
@@ -131,6 +134,10 @@ class ServingCollector:
     def collect(self) -> Iterator[Metric]:
         for series in SERIES:
             yield self._family(series, series.read(self.conductor))
+        cache = self.conductor.scheduler.cache
+        for kind, owned in (("gauge", tier_gauges(cache)), ("counter", tier_counters(cache))):
+            for name, (value, help_text) in owned.items():
+                yield _FAMILIES[kind](f"ringserve_{name}", help_text, value=float(value))
 
     def _family(self, series: Series, value: Reading) -> Metric:
         extra = ("model_name",) if series.name.startswith(VLLM) else ()

@@ -11,8 +11,9 @@ import structlog
 import torch
 
 from ringserve.cache.allocator import SlotAllocator
+from ringserve.cache.host_pool import HostPool
 from ringserve.cache.pool import KVPool
-from ringserve.cache.radix import RadixCache
+from ringserve.cache.tiers import prefix_cache
 from ringserve.config import EngineConfig, resolve_dtype
 from ringserve.engine.runner import Runner
 from ringserve.engine.stage import FaultyStage, Stage
@@ -45,7 +46,12 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
         len(layers), config.kv_capacity_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device
     )
     log.info("pool.allocated", rank=rank, layers=f"{layers.start}:{layers.stop}", bytes=pool.nbytes)
-    runner = Runner(model, pool, device, layers, cfg.num_layers)
+    host = None
+    if config.host_kv_tokens:
+        shape = (cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        host = HostPool(len(layers), config.host_kv_tokens + 1, *shape)
+        log.info("host_pool.allocated", rank=rank, tokens=config.host_kv_tokens, bytes=host.nbytes)
+    runner = Runner(model, pool, device, layers, cfg.num_layers, host=host)
     check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
     faults = FaultPlan.from_env(rank)
     return FaultyStage(runner, rank, faults) if faults.touches_stage else Stage(runner, rank)
@@ -94,7 +100,7 @@ def build_rank_zero(config: EngineConfig, cfg: ModelConfig, world: int) -> RankZ
     scheduler = Scheduler(
         SchedulerConfig.from_engine(config, cfg.max_position_embeddings, passes_in_flight),
         allocator,
-        RadixCache(allocator),
+        prefix_cache(allocator, config.host_kv_tokens),
     )
     return RankZero(
         scheduler,

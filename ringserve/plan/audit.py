@@ -84,6 +84,10 @@ def check_allocation(
     actual = {"weights": weights, "kv": kv_bytes}
     if activations is not None:
         actual["activations"] = activations
+    host = runner.host.nbytes if runner.host is not None else 0
+    if host or "host_kv" in row:  # host memory: its own column, outside the budget
+        planned["host_kv"] = row.get("host_kv", {"bytes": 0})["bytes"]
+        actual["host_kv"] = host
     log.info("plan.allocated", rank=rank, planned=planned, actual=actual)
     for part, nbytes in actual.items():
         if nbytes > planned[part]:

@@ -148,6 +148,7 @@ class RankLedger:
     kv: Figure
     activations: Figure
     speed: float = 1.0
+    host: Figure | None = None  # the host KV tier, in host memory: not in the budget
 
     def __post_init__(self) -> None:
         if not self.speed > 0:
@@ -176,6 +177,7 @@ class RankLedger:
             "headroom": self.headroom,
             "speed": self.speed,
             "stage_time": self.stage_time,
+            **({"host_kv": self.host.to_dict()} if self.host is not None else {}),
         }
 
 
@@ -223,6 +225,7 @@ class Plan:
     page_size: int
     ledger: tuple[RankLedger, ...]
     plan_for: str = "capacity"
+    host_tokens: int = 0  # H, the host KV tier of every rank (plan/host.py); 0: none
 
     def __post_init__(self) -> None:
         if self.plan_for not in PLAN_FOR:
@@ -252,7 +255,9 @@ class Plan:
             "stage",
         )
         rows = [head] + [self._row(e) for e in self.ledger] + [self._totals()]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        if self.host_tokens:
+            rows = [(*row, cell) for row, cell in zip(rows, self._host_cells(), strict=True)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [
             "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
         ]
@@ -263,6 +268,8 @@ class Plan:
             f"(page {self.page_size}, {self.capacity_tokens // self.page_size} pages); "
             f"figures in MiB"
         )
+        if self.host_tokens:
+            lines.append(f"H = {self.host_tokens} tokens in host memory on every rank")
         slow = self.bottleneck
         lines.append(
             f"bottleneck: rank {slow.rank}, {slow.stage_time:.2f} layer-times per pass "
@@ -283,6 +290,11 @@ class Plan:
             f"{e.stage_time:.2f}",
         )
 
+    def _host_cells(self) -> list[str]:
+        figures = [e.host for e in self.ledger if e.host is not None]
+        cells = [f"{_mib(f.bytes)} {f.source}" for f in figures]
+        return ["host KV", *cells, _mib(sum(f.bytes for f in figures))]
+
     def _totals(self) -> tuple[str, ...]:
         sums = [sum(getattr(e, k).bytes for e in self.ledger) for k in _COMPONENTS]
         room = sum(e.headroom for e in self.ledger)
@@ -296,6 +308,7 @@ class Plan:
             "capacity_tokens": self.capacity_tokens,
             "page_size": self.page_size,
             "plan_for": self.plan_for,
+            **({"host_tokens": self.host_tokens} if self.host_tokens else {}),
             "bottleneck": self.bottleneck.rank,
             "ranks": [e.to_dict() for e in self.ledger],
             "totals": {k: sum(getattr(e, k).bytes for e in self.ledger) for k in _COMPONENTS},

@@ -9,6 +9,7 @@ import structlog
 
 from ringserve.config import EngineConfig, resolve_dtype
 from ringserve.models.config import ModelConfig
+from ringserve.plan.host import solve_host, with_host
 from ringserve.plan.solve import Objective, Plan, plan
 
 log = structlog.get_logger(__name__)
@@ -32,24 +33,31 @@ def size_ring(
                 "give rank memory budgets or a layer split, not both: the planner picks the split"
             )
         check_split(config.layer_split, pp_size, cfg.num_layers)
-        return config, None
+        tokens, _ = solve_host(config, cfg, resolve_dtype(config.dtype, cfg.torch_dtype))
+        return replace(config, host_kv_tokens=tokens, host_kv_mib=None), None
     if config.rank_speed is not None and len(config.rank_speed) != pp_size:
         raise ValueError(f"{len(config.rank_speed)} rank speeds for pp_size {pp_size}")
     cap = None if rank_memory_mib is not None else config.kv_capacity_tokens
+    solved_dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
     solved = plan(
         config.model_dir,
         pp_size=pp_size,
         rank_memory_mib=rank_memory_mib,
         max_num_tokens_per_pass=config.max_tokens_per_pass,
         max_num_seqs=config.max_batch,
-        dtype=resolve_dtype(config.dtype, cfg.torch_dtype),
+        dtype=solved_dtype,
         max_capacity_tokens=cap,
         objective=Objective(config.plan_for, config.rank_speed, config.min_kv_tokens),
     )
+    split = tuple(solved.layer_split)
+    host_tokens, host = solve_host(replace(config, layer_split=split), cfg, solved_dtype)
+    solved = with_host(solved, host_tokens, host)
     sized = replace(
         config,
-        layer_split=tuple(solved.layer_split),
+        layer_split=split,
         kv_capacity_tokens=solved.capacity_tokens,
+        host_kv_tokens=host_tokens,
+        host_kv_mib=None,
         plan=solved.to_dict(),
     )
     return sized, solved

@@ -12,7 +12,7 @@ import msgspec
 
 from ringserve import logs
 from ringserve.cache.allocator import SlotAllocator
-from ringserve.cache.radix import RadixCache
+from ringserve.cache.tiers import prefix_cache
 from ringserve.params import SamplingParams
 from ringserve.replay.report import Finding, RerunSummary
 from ringserve.replay.trace import Event, Trace
@@ -37,7 +37,8 @@ class _Rerun:
     def __init__(self, config: Event) -> None:
         allocator = SlotAllocator(int(config["kv_capacity"]))
         sched_config = msgspec.convert(config["config"], SchedulerConfig)
-        self.scheduler = Scheduler(sched_config, allocator, RadixCache(allocator))
+        cache = prefix_cache(allocator, int(config.get("host_kv_capacity", 0)))
+        self.scheduler = Scheduler(sched_config, allocator, cache)
         self.eos_ids = frozenset(config.get("eos_ids", ()))
         self.summary = RerunSummary()
         self.steps: dict[str, Callable[[Event], str | None]] = {

@@ -50,12 +50,29 @@ class Entry(msgspec.Struct, frozen=True):
     reuse: list[int] | None = None
 
 
-class Decision(msgspec.Struct, frozen=True, tag="decision"):
+class TierCopy(msgspec.Struct, frozen=True):
+    """KV of one radix node copied between a rank's tiers: its rows at slots
+    `src` to slots `dst` (device to host for a spill, host to device for a
+    load), on every layer the rank holds."""
+
+    src: list[int]
+    dst: list[int]
+
+
+class Decision(msgspec.Struct, frozen=True, tag="decision", omit_defaults=True):
+    """One pass. Every rank copies `spills` (device to host), then `loads`
+    (host to device), in list order, before the pass's forward: a spill's
+    device slots may be written by the same pass, and a load reads host
+    slots no spill of the pass writes. Fields with defaults are left off
+    the wire when empty, so a pass without them keeps its digest."""
+
     pass_id: int
     mb_slot: int
     new_requests: list[NewRequest]
     entries: list[Entry]
     dropped: list[int]
+    spills: list[TierCopy] = []
+    loads: list[TierCopy] = []
 
     def digest(self) -> str:
         """A stable fingerprint, so logs of different ranks can be compared."""

@@ -10,6 +10,7 @@ from ringserve.sched.kvbook import KVBook
 from ringserve.sched.passbook import Draft
 from ringserve.sched.relief import Relief
 from ringserve.sched.request import Request
+from ringserve.sched.spill import borrow_prefix
 from ringserve.sched.table import RequestTable
 
 log = structlog.get_logger(__name__)
@@ -36,17 +37,19 @@ class Admission:
             req = self.table.waiting[0]
             if not draft.takes(req):
                 return
-            reuse, node = self.kv.match(req)
-            if self._prefix_pending(req, len(reuse)):
-                log.debug("request.deferred", req=req.req_id, cached=len(reuse))
+            found = self.kv.match(req)
+            cached = len(found.slots) + found.host_tokens
+            if self._prefix_pending(req, cached):
+                log.debug("request.deferred", req=req.req_id, cached=cached)
                 return
-            n = min(len(req.tokens) - len(reuse), self.chunk_size, draft.budget)
-            self.kv.borrow(req, node)
-            slots = self.relief.alloc(n, draft, asker=None)
-            if slots is None:
-                self.kv.give_back(req)
-                log.info("request.parked", req=req.req_id, needs=n)
+            limit = min(self.chunk_size, draft.budget)
+            taken = borrow_prefix(self.kv, self.relief, req, found, limit, draft)
+            if taken is None:
+                log.info(
+                    "request.parked", req=req.req_id, needs=min(len(req.tokens) - cached, limit)
+                )
                 return
+            reuse, slots = taken
             self.table.start(req)
             req.row = list(reuse)
             req.cached_tokens = max(req.cached_tokens, len(reuse))

@@ -5,7 +5,7 @@ request gets slots is the scheduler's policy. Pure Python over ints."""
 from __future__ import annotations
 
 from ringserve.cache.allocator import OutOfSlots, SlotAllocator
-from ringserve.cache.radix import RadixCache, RadixNode
+from ringserve.cache.radix import RadixCache, RadixNode, TierMatch
 from ringserve.sched.request import Request
 
 # When slots run short, evict at least capacity / EVICT_FRACTION at once:
@@ -28,11 +28,16 @@ class KVBook:
     def available(self) -> int:
         return self.allocator.available
 
-    def match(self, req: Request) -> tuple[list[int], RadixNode]:
-        """Longest cached prefix, leaving at least one token to compute."""
+    @property
+    def keeps_retracted(self) -> bool:
+        """Whether a retracted request's KV stays cached (to spill to the
+        host tier under pressure) instead of being freed."""
+        return self.prefix_reuse and self.cache.host_capacity > 0
+
+    def match(self, req: Request) -> TierMatch:
+        """Longest prefix cached in either tier, leaving at least one token to compute."""
         probe = req.tokens[:-1] if self.prefix_reuse else []
-        found = self.cache.match_prefix(probe)
-        return found.slots, found.node
+        return self.cache.match_tiers(probe)
 
     def evict_for(self, n: int) -> None:
         """Evict unlocked cache, in a batch, when fewer than n slots are free."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ringserve.ring.messages import Decision, Entry, NewRequest
+from ringserve.ring.messages import Decision, Entry, NewRequest, TierCopy
 from ringserve.sched.request import Request
 
 
@@ -79,14 +79,22 @@ class PassBook:
         """Tell every replica, with the next decision, that `req_id` is gone."""
         self._to_drop.append(req_id)
 
-    def seal(self, draft: Draft) -> Decision:
-        """Turn a non-empty draft into the next pass and mark it in flight."""
+    def seal(
+        self,
+        draft: Draft,
+        spills: list[TierCopy] | None = None,
+        loads: list[TierCopy] | None = None,
+    ) -> Decision:
+        """Turn a non-empty draft into the next pass and mark it in flight,
+        carrying the KV moves between the tiers decided with it."""
         decision = Decision(
             pass_id=self.next_pass_id,
             mb_slot=draft.slot,
             new_requests=draft.admitted,
             entries=draft.entries,
             dropped=self._to_drop,
+            spills=spills if spills is not None else [],
+            loads=loads if loads is not None else [],
         )
         self._to_drop = []
         self.next_pass_id += 1

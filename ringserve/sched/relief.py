@@ -33,6 +33,8 @@ class Relief:
             self.retract(victim)
             if victim is asker:
                 return None
+            if self.kv.keeps_retracted:
+                self.kv.evict_for(n)  # the victim's KV went to the cache: spill it
         return self.kv.take(n)
 
     def _retract_candidate(self, draft: Draft) -> Request | None:
@@ -42,7 +44,11 @@ class Relief:
         return None
 
     def retract(self, req: Request) -> None:
-        """Free a running request's KV and requeue it for re-prefill."""
-        log.info("request.retracted", req=req.req_id, freed=len(req.private))
+        """Free a running request's KV and requeue it for re-prefill. With a
+        host tier its KV (all confirmed: the request is idle) goes to the
+        cache first, so eviction spills it and resuming it is a load."""
+        if self.kv.keeps_retracted:
+            self.kv.insert(req)
+        log.info("request.retracted", req=req.req_id, freed=len(req.private), kept=len(req.row))
         self.kv.release(req)
         self.table.requeue(req)

@@ -21,6 +21,7 @@ from ringserve.sched.kvbook import KVBook
 from ringserve.sched.passbook import Draft, Pass, PassBook
 from ringserve.sched.relief import Relief
 from ringserve.sched.request import Phase, Request
+from ringserve.sched.spill import seal_with_moves
 from ringserve.sched.table import RequestTable
 
 log = structlog.get_logger(__name__)
@@ -148,7 +149,7 @@ class Scheduler:
             self._extend_running(draft)
             self.admission.fill(draft)
             if draft.entries:
-                return self.passes.seal(draft)
+                return seal_with_moves(self.passes, self.cache, draft)
         return None
 
     def _extend_running(self, draft: Draft) -> None:
@@ -165,6 +166,7 @@ class Scheduler:
     def on_output(self, out: Output) -> list[Request]:
         """Apply one pass's sampled tokens; returns the requests it touched."""
         record = self.passes.settle(out.pass_id)
+        self.cache.settle_moves(out.pass_id, confirmed=True)  # before inserts walk through them
         self.fallbacks += out.fallbacks
         sampled = iter(range(len(out.tokens)))
         for entry, req in zip(record.decision.entries, record.reqs, strict=True):
@@ -216,6 +218,7 @@ class Scheduler:
                     or f"error: pass {void.pass_id} void on rank {void.rank}: {void.reason}"
                 )
                 self._abort(req.req_id, why)
+        self.cache.settle_moves(void.pass_id, confirmed=False)  # after its borrowers let go
         return record.reqs
 
     def _finish(self, req: Request, reason: str) -> None:
