@@ -75,12 +75,9 @@ class Runner:
         tokens in `rows` sequences, logits of every row on the last stage),
         writing only into free pool slots: used to measure the activation
         peak at boot, before any request exists."""
-        tokens = max(rows, min(tokens, self.pool.capacity - 1))
-        sizes = [tokens // rows + (1 if r < tokens % rows else 0) for r in range(rows)]
-        slots, rows_slots = iter(range(1, tokens + 1)), []
-        for n in sizes:
-            rows_slots.append([next(slots) for _ in range(n)])
-        batch = ForwardBatch.build(rows_slots, sizes, [True] * rows, self.device)
+        rows_slots = dry_run_slots(tokens, rows, self.pool.capacity)
+        tokens, sizes = sum(map(len, rows_slots)), [len(r) for r in rows_slots]
+        batch = ForwardBatch.build(rows_slots, sizes, [True] * len(sizes), self.device)
         if self.first:
             x = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         else:
@@ -99,3 +96,18 @@ class Runner:
         specs = [r.sampling for _, r in picked]
         positions = [e.start + len(e.tokens) for e, _ in picked]
         return self.sampler(decision.pass_id, logits, specs, positions)
+
+
+def dry_run_slots(tokens: int, rows: int, capacity: int) -> list[list[int]]:
+    """The slots of a dry forward's `rows` rows sharing `tokens` tokens, all
+    among the pool's usable slots 1..capacity-1: a pool smaller than the
+    largest pass clamps the pass (rows included) rather than writing past
+    its end."""
+    usable = capacity - 1
+    if usable < 1:
+        raise ValueError(f"a KV pool of {capacity} slots has none usable")
+    rows = max(1, min(rows, usable))
+    tokens = max(rows, min(tokens, usable))
+    sizes = [tokens // rows + (1 if r < tokens % rows else 0) for r in range(rows)]
+    slots = iter(range(1, tokens + 1))
+    return [[next(slots) for _ in range(n)] for n in sizes]
