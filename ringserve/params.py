@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOP_K = (1 << 31) - 1  # the sampler's tensors hold it; past the vocabulary it keeps all
+MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as OpenAI and vLLM clamp it
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logits processing (engine/logits.py), in vLLM's meanings: `logit_bias`
+    # maps token id to a bias; `repetition_penalty` divides the positive (and
+    # multiplies the negative) logits of every token of the prompt and the
+    # output; `frequency_penalty` and `presence_penalty` subtract, over the
+    # output, penalty x count and penalty x (count > 0). `min_tokens` bans
+    # EOS and `stop_token_ids` until that many tokens were generated;
+    # `allowed_token_ids` bans every other token; a `bad_words` entry is banned
+    # where the output ends with all its tokens but the last (rank 0 turns the
+    # words into `bad_words_token_ids`).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -45,6 +64,56 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
+
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        if isinstance(self.bad_words, str | list):
+            words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+            object.__setattr__(self, "bad_words", words)
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words_token_ids, list):
+            ids = tuple(tuple(w) for w in self.bad_words_token_ids)
+            object.__setattr__(self, "bad_words_token_ids", ids)
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]")
+        _check(self.repetition_penalty > 0, "repetition_penalty must be > 0")
+        if self.logit_bias is not None:
+            _check(
+                all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                "logit_bias keys must be token ids >= 0",
+            )
+            clamped = {
+                int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b)))
+                for t, b in self.logit_bias.items()
+            }
+            object.__setattr__(self, "logit_bias", clamped)
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(self.min_tokens <= self.max_tokens, "min_tokens must be at most max_tokens")
+        _check(
+            self.allowed_token_ids is None
+            or (len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids must be a non-empty list of token ids >= 0",
+        )
+        _check(
+            all(isinstance(w, str) and w for w in self.bad_words),
+            "bad_words must be non-empty strings",
+        )
+        _check(isinstance(self.n, int) and self.n >= 1, "n must be >= 1")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the last rank must change this request's logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
         )
 
     @property

@@ -20,6 +20,7 @@ import structlog
 from ringserve import logs
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.metrics import Metrics
+from ringserve.engine.processing_params import processing_params
 from ringserve.engine.textstream import TextStream
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import SamplingParams
@@ -76,6 +77,7 @@ class RequestDesk:
             raise ValueError(
                 f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens"
             )
+        params = processing_params(params, self.tokenizer, self.vocab_size)
         waiting = len(self.scheduler.waiting)
         if self.max_waiting is not None and waiting >= self.max_waiting:
             self.metrics.requests_rejected += 1

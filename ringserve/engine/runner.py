@@ -85,4 +85,5 @@ class Runner:
         picked = [(e, r) for e, r in zip(decision.entries, rows, strict=True) if e.sample]
         specs = [r.sampling for _, r in picked]
         positions = [e.start + len(e.tokens) for e, _ in picked]
-        return self.sampler(decision.pass_id, logits, specs, positions)
+        histories = [r.tokens for _, r in picked]
+        return self.sampler(decision.pass_id, logits, specs, positions, histories)

@@ -54,7 +54,7 @@ TopK = Annotated[int, Meta(ge=-1, le=MAX_TOP_K, description="-1 or 0: no top-k f
 MinP = Annotated[float, Meta(ge=0, le=1)]
 StopText = Annotated[str, Meta(min_length=1)]
 Stop = StopText | Annotated[list[StopText], Meta(max_length=MAX_STOP)] | None
-Zero = Annotated[float, Meta(extra_json_schema=only(0))]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -62,8 +62,11 @@ class StreamOptions(Struct, kw_only=True):
 
 
 class SamplingFields(Struct, kw_only=True):
-    """What completions and chat share. Extensions to OpenAI: `top_k`,
-    `min_p`, `stop_token_ids`, `ignore_eos`."""
+    """What completions and chat share. Extensions to OpenAI, as vLLM names
+    them: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`,
+    `repetition_penalty`, `min_tokens`, `allowed_token_ids`, `bad_words`.
+    `logit_bias` maps token ids (as strings, JSON's keys) to biases, clamped
+    to [-100, 100]."""
 
     model: Annotated[str, Meta(extra_json_schema=served("model"))] | None = None
     max_tokens: MaxTokens | None = None
@@ -78,9 +81,13 @@ class SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Zero = 0.0
-    frequency_penalty: Zero = 0.0
-    logit_bias: Annotated[dict[str, float], Meta(extra_json_schema=only({}))] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    bad_words: list[StopText] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -138,6 +145,13 @@ class NativeSampling(Struct, kw_only=True, forbid_unknown_fields=True):
     stop: Stop = None
     ignore_eos: bool = False
     logprobs: TopLogprobs | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    bad_words: list[StopText] | None = None
 
 
 class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -192,11 +206,7 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
 
 def unsupported_fields(body: SamplingFields) -> list[str]:
     """Names of requested features ringserve does not implement."""
-    asked = {
-        "presence_penalty": body.presence_penalty != 0,
-        "frequency_penalty": body.frequency_penalty != 0,
-        "logit_bias": bool(body.logit_bias),
-    }
+    asked: dict[str, bool] = {}
     if isinstance(body, CompletionRequest):
         asked |= {
             "echo": body.echo,

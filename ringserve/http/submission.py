@@ -29,6 +29,10 @@ log = structlog.get_logger(__name__)
 WATCH_INTERVAL_S = 0.1
 
 
+# Fields whose token ids the desk checks against the vocabulary.
+_PARAMS_CHECKED_AT_SUBMIT = frozenset({"logit_bias", "allowed_token_ids", "bad_words"})
+
+
 class Submission:
     """`len(prompts) * len(params)` choices; choice `p * len(params) + i` is
     prompt p sampled with params[i]. Invariant: once closed, every one of
@@ -73,7 +77,9 @@ class Submission:
                     self.handles.append(self.conductor.submit(prompt, sp))
         except ValueError as exc:
             self.abort()
-            raise bad_request(str(exc), param=self.prompt_param) from None
+            first = str(exc).split(" ", 1)[0]
+            param = first if first in _PARAMS_CHECKED_AT_SUBMIT else self.prompt_param
+            raise bad_request(str(exc), param=param) from None
         except QueueFull as exc:
             self.abort()
             raise rate_limited(exc) from None
