@@ -127,10 +127,33 @@ def _check(ok: bool, message: str) -> None:
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One choice of a prompt, as vLLM returns it: generated ids, their text
+    (when the model has a tokenizer), the sampled tokens' logprobs when asked
+    (`top_logprobs`: the k most likely per position) and why generation
+    stopped (`stop`, `length`, `abort` or `error: ...`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(self.logprobs)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """The result of one prompt: generated ids, their text (when the model
-    has a tokenizer) and why generation stopped (`stop`, `length`, `abort`
-    or `error: ...`)."""
+    """The result of one prompt: `outputs` holds its `n` choices, as vLLM's
+    RequestOutput does. The first choice's fields are also the output's own
+    (`token_ids`, `text`, ...), for the common case of one choice."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -140,3 +163,30 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     cached_tokens: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    @classmethod
+    def of_choices(cls, prompt: str | None, choices: list[RequestOutput]) -> RequestOutput:
+        """One prompt's output from the outputs of its choices, in order."""
+        first = choices[0]
+        outputs = [
+            CompletionOutput(i, c.text, c.token_ids, c.finish_reason, c.logprobs, c.top_logprobs)
+            for i, c in enumerate(choices)
+        ]
+        return cls(
+            request_id=first.request_id,
+            prompt_token_ids=first.prompt_token_ids,
+            token_ids=first.token_ids,
+            text=first.text,
+            finish_reason=first.finish_reason,
+            logprobs=first.logprobs,
+            top_logprobs=first.top_logprobs,
+            cached_tokens=first.cached_tokens,
+            outputs=outputs,
+            prompt=prompt,
+        )

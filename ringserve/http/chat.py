@@ -38,7 +38,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, ChatRequest)
     served.check_model(body.model)
     refuse_unsupported(body)
-    prompt = chat_prompt(served, body.messages)
+    prompt = chat_prompt(
+        served, body.messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
+    )
     max_tokens = chat_max_tokens(served, body, len(prompt))
     params = choice_params(body, max_tokens, chat_logprobs_param(body))
     head = ChatCompletionChunk(new_id("chatcmpl"), int(time.time()), served.name, [])

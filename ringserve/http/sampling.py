@@ -28,12 +28,20 @@ from ringserve.params import SamplingParams
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 256
 _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
+# What a refusal names when the field alone is not what is refused.
+_REFUSED_AS = {
+    "echo": "echo with logprobs (the prompt's logprobs)",
+    "skip_special_tokens": "skip_special_tokens false",
+    "spaces_between_special_tokens": "spaces_between_special_tokens false",
+}
 
 
 def refuse_unsupported(body: SamplingFields, prompts: int = 1) -> None:
     names = unsupported_fields(body)
     if names:
-        raise bad_request(f"{names[0]} is not supported by this server", param=names[0])
+        chat_echo = names[0] == "echo" and isinstance(body, ChatRequest)
+        what = names[0] if chat_echo else _REFUSED_AS.get(names[0], names[0])
+        raise bad_request(f"{what} is not supported by this server", param=names[0])
     if prompts * body.n > MAX_CHOICES:
         raise bad_request(
             f"{prompts} prompts with n={body.n} make {prompts * body.n} choices; "

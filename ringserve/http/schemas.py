@@ -89,6 +89,22 @@ class SamplingFields(Struct, kw_only=True):
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     bad_words: list[StopText] | None = None
 
+    # vLLM's extensions that ringserve does not implement: declared, so a
+    # request asking for one is refused by name (unsupported_fields).
+    use_beam_search: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    length_penalty: Annotated[float, Meta(extra_json_schema=only(1))] = 1.0
+    include_stop_str_in_output: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    skip_special_tokens: Annotated[bool, Meta(extra_json_schema=only(True))] = True
+    spaces_between_special_tokens: Annotated[bool, Meta(extra_json_schema=only(True))] = True
+    truncate_prompt_tokens: Annotated[int, Meta(extra_json_schema=only(None))] | None = None
+    prompt_logprobs: Annotated[int, Meta(extra_json_schema=only(None))] | None = None
+    priority: Annotated[int, Meta(extra_json_schema=only(0))] = 0
+    logits_processors: Annotated[list[Any], Meta(extra_json_schema=only(None))] | None = None
+    return_tokens_as_token_ids: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    cache_salt: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+    kv_transfer_params: Annotated[dict[str, Any], Meta(extra_json_schema=only(None))] | None = None
+    vllm_xargs: Annotated[dict[str, Any], Meta(extra_json_schema=only(None))] | None = None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -100,7 +116,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     prompt: str | list[str | PromptId | list[PromptId]]
     logprobs: TopLogprobs | None = None
-    echo: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    echo: Annotated[
+        bool, Meta(description="with logprobs, not supported: prompt logprobs are not computed")
+    ] = False
     suffix: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
     best_of: Annotated[int, Meta(description="must equal n")] | None = None
 
@@ -129,6 +147,14 @@ class ChatRequest(SamplingFields, kw_only=True):
     top_logprobs: TopLogprobs | None = None
     tools: Annotated[list[dict[str, Any]], Meta(extra_json_schema=only([]))] | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's chat extensions: the template's variables, and what is refused by name.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    chat_template: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+    documents: Annotated[list[Any], Meta(extra_json_schema=only(None))] | None = None
+    mm_processor_kwargs: Annotated[dict[str, Any], Meta(extra_json_schema=only(None))] | None = None
+    echo: Annotated[bool, Meta(extra_json_schema=only(False))] = False
 
 
 class NativeSampling(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -195,6 +221,12 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
         "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
     },
+    "TokenizeRequest": {
+        "oneOf": [
+            {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+            {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
+        ]
+    },
     "GenerateRequest": {
         "oneOf": [
             {"properties": {"input_ids": {"type": "array"}}, "required": ["input_ids"]},
@@ -206,15 +238,36 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
 
 def unsupported_fields(body: SamplingFields) -> list[str]:
     """Names of requested features ringserve does not implement."""
-    asked: dict[str, bool] = {}
+    asked: dict[str, bool] = {
+        "use_beam_search": body.use_beam_search,
+        "length_penalty": body.length_penalty != 1,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "skip_special_tokens": not body.skip_special_tokens,
+        "spaces_between_special_tokens": not body.spaces_between_special_tokens,
+        "truncate_prompt_tokens": body.truncate_prompt_tokens is not None,
+        "prompt_logprobs": body.prompt_logprobs is not None,
+        "priority": body.priority != 0,
+        "logits_processors": body.logits_processors is not None,
+        "return_tokens_as_token_ids": body.return_tokens_as_token_ids,
+        "cache_salt": body.cache_salt is not None,
+        "kv_transfer_params": body.kv_transfer_params is not None,
+        "vllm_xargs": body.vllm_xargs is not None,
+    }
     if isinstance(body, CompletionRequest):
         asked |= {
-            "echo": body.echo,
+            "echo": body.echo and body.logprobs is not None,
             "suffix": body.suffix is not None,
             "best_of": body.best_of is not None and body.best_of != body.n,
         }
     if isinstance(body, ChatRequest):
-        asked |= {"tools": bool(body.tools)}
+        asked |= {
+            "tools": bool(body.tools),
+            "continue_final_message": body.continue_final_message,
+            "chat_template": body.chat_template is not None,
+            "documents": body.documents is not None,
+            "mm_processor_kwargs": body.mm_processor_kwargs is not None,
+            "echo": body.echo,
+        }
     return [name for name, on in asked.items() if on]
 
 
