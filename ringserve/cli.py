@@ -71,6 +71,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="fail a request still waiting for admission after this long (default: no limit)",
     )
     p.add_argument("--no-prefix-reuse", action="store_true")
+    p.add_argument(
+        "--structured-outputs-config",
+        help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true}',
+    )
     p.add_argument("--wedge-timeout-s", type=float, help=f"default {d['wedge_timeout_s']}")
     p.add_argument("--heartbeat-s", type=float, help=f"default {d['heartbeat_s']}")
 
@@ -78,7 +82,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 _PASSED_ON = (
     "dtype", "max_model_len", "kv_capacity_tokens", "max_tokens_per_pass", "chunk_size",
     "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s", "plan_for", "min_kv_tokens",
-    "max_waiting_requests", "queue_timeout_s",
+    "max_waiting_requests", "queue_timeout_s", "structured_outputs_config",
 )  # fmt: skip
 
 

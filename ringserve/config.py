@@ -53,6 +53,8 @@ class EngineConfig:
     max_waiting_requests: int | None = None  # default: kv_capacity_tokens // KV_TOKENS_PER_WAITING
     queue_timeout_s: float | None = None  # None: a request waits as long as it takes
     plan: dict[str, Any] | None = field(default=None, compare=False)
+    # vLLM's --structured-outputs-config: a JSON object (engine/grammar.py)
+    structured_outputs_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.plan_for not in PLAN_FOR:

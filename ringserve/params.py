@@ -2,11 +2,68 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOP_K = (1 << 31) - 1  # the sampler's tensors hold it; past the vocabulary it keeps all
 MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as OpenAI and vLLM clamp it
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """What a request's output must match, as vLLM names it: exactly one of
+    a JSON schema (`json`, a dict or its text), `regex`, `choice` (one of
+    the strings), `grammar` (Lark, or GBNF when it has `::=`) and
+    `json_object` (any JSON object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(
+            len(given) == 1,
+            "structured_outputs needs exactly one of json, regex, choice, grammar and "
+            f"json_object, got {given or 'none'}",
+        )
+        _check(
+            self.choice is None
+            or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
+            "structured_outputs choice must be a non-empty list of strings",
+        )
+
+    @property
+    def kind(self) -> str:
+        if self.json is not None:
+            return "JSON schema"
+        if self.json_object:
+            return "JSON object"
+        return (
+            "regex"
+            if self.regex is not None
+            else "choice"
+            if self.choice is not None
+            else "grammar"
+        )
+
+    def key(self) -> str:
+        """One spelling per grammar, for the cache of compiled grammars."""
+        value: Any = self.json
+        if isinstance(value, str):
+            try:
+                value = _json.loads(value)
+            except ValueError:
+                pass
+        parts = [self.kind, value, self.regex, self.choice, self.grammar]
+        return _json.dumps(parts, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +100,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -102,6 +160,10 @@ class SamplingParams:
             "bad_words must be non-empty strings",
         )
         _check(isinstance(self.n, int) and self.n >= 1, "n must be >= 1")
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(
+                self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs)
+            )
 
     @property
     def penalized(self) -> bool:

@@ -109,6 +109,7 @@ async def serving(
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
         conductor.executor.shutdown(wait=True)
+        conductor.mask_executor.shutdown(wait=True)
 
 
 @pytest.fixture

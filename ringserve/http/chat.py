@@ -29,6 +29,7 @@ from ringserve.http.sampling import (
 from ringserve.http.schemas import ChatRequest, read_json
 from ringserve.http.served import SERVED, ServedModel
 from ringserve.http.sse import stream_events
+from ringserve.http.structured import structured_params
 from ringserve.http.submission import Submission
 from ringserve.params import RequestOutput
 
@@ -42,10 +43,16 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         served, body.messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
     )
     max_tokens = chat_max_tokens(served, body, len(prompt))
-    params = choice_params(body, max_tokens, chat_logprobs_param(body))
+    structured, grammar_param = structured_params(body)
+    params = choice_params(body, max_tokens, chat_logprobs_param(body), structured)
     head = ChatCompletionChunk(new_id("chatcmpl"), int(time.time()), served.name, [])
     async with Submission(
-        served.conductor, [prompt], params, request=request, prompt_param="messages"
+        served.conductor,
+        [prompt],
+        params,
+        request=request,
+        prompt_param="messages",
+        grammar_param=grammar_param,
     ) as sub:
         if body.stream:
             return await stream_events(request, _chunks(served, sub, head, body.include_usage))

@@ -21,6 +21,7 @@ from ringserve.http.sampling import choice_params, completion_max_tokens, refuse
 from ringserve.http.schemas import CompletionRequest, read_json
 from ringserve.http.served import SERVED, ServedModel
 from ringserve.http.sse import stream_events
+from ringserve.http.structured import structured_params
 from ringserve.http.submission import Submission
 from ringserve.params import RequestOutput
 
@@ -31,12 +32,15 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     served.check_model(body.model)
     prompts = completion_prompts(served, body.prompt)
     refuse_unsupported(body, len(prompts))
-    params = choice_params(body, completion_max_tokens(served, body), body.logprobs)
+    structured, grammar_param = structured_params(body)
+    params = choice_params(body, completion_max_tokens(served, body), body.logprobs, structured)
     # With `echo`, each choice's text begins with its prompt's.
     echo = _prompt_texts(served, body.prompt, prompts) if body.echo else None
     per_choice = None if echo is None else [e for e in echo for _ in params]
     head = Completion(new_id("cmpl"), int(time.time()), served.name, [])
-    async with Submission(served.conductor, prompts, params, request=request) as sub:
+    async with Submission(
+        served.conductor, prompts, params, request=request, grammar_param=grammar_param
+    ) as sub:
         if body.stream:
             chunks = _chunks(served, sub, head, body.include_usage, per_choice)
             return await stream_events(request, chunks)

@@ -23,7 +23,7 @@ from ringserve.http.schemas import (
     unsupported_fields,
 )
 from ringserve.http.served import ServedModel
-from ringserve.params import SamplingParams
+from ringserve.params import SamplingParams, StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -75,7 +75,10 @@ def chat_logprobs_param(body: ChatRequest) -> int | None:
 
 
 def choice_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; a 400 naming the field when invalid."""
     stop = body.stop if body.stop is not None else ()
@@ -101,6 +104,7 @@ def choice_params(
                 min_tokens=body.min_tokens,
                 allowed_token_ids=allowed,
                 bad_words=() if body.bad_words is None else tuple(body.bad_words),
+                structured_outputs=structured,
             )
             for i in range(body.n)
         ]

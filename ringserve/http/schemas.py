@@ -89,6 +89,16 @@ class SamplingFields(Struct, kw_only=True):
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     bad_words: list[StopText] | None = None
 
+    # Structured outputs: OpenAI's `response_format`, vLLM's
+    # `structured_outputs` and its older `guided_*` spellings (http/structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
     # vLLM's extensions that ringserve does not implement: declared, so a
     # request asking for one is refused by name (unsupported_fields).
     use_beam_search: Annotated[bool, Meta(extra_json_schema=only(False))] = False
@@ -136,8 +146,32 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema`: with `strict`, every object
+    of the schema is closed (no properties beyond those it names)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(Struct, kw_only=True):
-    type: Literal["text"] = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of `json` (a schema),
+    `regex`, `choice`, `grammar` (Lark, or GBNF) and `json_object`."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+    whitespace_pattern: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
 
 
 class ChatRequest(SamplingFields, kw_only=True):
@@ -146,7 +180,6 @@ class ChatRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     tools: Annotated[list[dict[str, Any]], Meta(extra_json_schema=only([]))] | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's chat extensions: the template's variables, and what is refused by name.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -252,7 +285,14 @@ def unsupported_fields(body: SamplingFields) -> list[str]:
         "cache_salt": body.cache_salt is not None,
         "kv_transfer_params": body.kv_transfer_params is not None,
         "vllm_xargs": body.vllm_xargs is not None,
+        "guided_whitespace_pattern": body.guided_whitespace_pattern is not None,
     }
+    so = body.structured_outputs
+    if so is not None:
+        asked |= {
+            "structured_outputs.structural_tag": so.structural_tag is not None,
+            "structured_outputs.whitespace_pattern": so.whitespace_pattern is not None,
+        }
     if isinstance(body, CompletionRequest):
         asked |= {
             "echo": body.echo and body.logprobs is not None,

@@ -46,18 +46,29 @@ class Submission:
         *,
         request: web.BaseRequest | None = None,
         prompt_param: str = "prompt",
+        grammar_param: str = "structured_outputs",
     ) -> None:
         self.conductor = conductor
         self.prompts = prompts
         self.params = params
         self.request = request
         self.prompt_param = prompt_param
+        self.grammar_param = grammar_param
         self.handles: list[RequestHandle] = []
         self._watcher: asyncio.Task | None = None
 
     async def __aenter__(self) -> Submission:
+        await self.prepare()
         self.start()
         return self
+
+    async def prepare(self) -> None:
+        """Compile the choices' grammars off the event loop (cached); a 400
+        naming the field when one cannot compile."""
+        try:
+            await self.conductor.prepare(self.params)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=self.grammar_param) from None
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()

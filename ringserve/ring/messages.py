@@ -66,7 +66,10 @@ class Entry(msgspec.Struct, frozen=True):
     Self-describing so a replica never has to remember a rolled-back pass:
     when `reuse` is given the row becomes `reuse` (a cached prefix, `start`
     slots long), otherwise the row is cut to `start` slots; then `slots` are
-    appended. `sample` says whether the last token's logits are sampled."""
+    appended. `sample` says whether the last token's logits are sampled;
+    `masked` that they are sampled under a grammar mask, which rank 0 fills
+    and the pass's Hidden carries beside the hidden states (one packed row
+    per masked entry, in entry order)."""
 
     req_id: int
     start: int
@@ -74,6 +77,7 @@ class Entry(msgspec.Struct, frozen=True):
     slots: list[int]
     sample: bool
     reuse: list[int] | None = None
+    masked: bool = False
 
 
 class Decision(msgspec.Struct, frozen=True, tag="decision"):
