@@ -113,8 +113,15 @@ def _launch(args: argparse.Namespace) -> int:
     node = NodeSpec(
         args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port()
     )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("ringserve: --enable-auto-tool-choice needs --tool-call-parser")
     http = HttpOptions(
-        host=args.host, port=args.port, api_key=args.api_key, model_name=args.served_model_name
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        model_name=args.served_model_name,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     return launch(node, config, http, args.log_dir)
 
@@ -144,6 +151,14 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--port", type=int, default=8000)
     launch.add_argument("--api-key", default=None)
     launch.add_argument("--served-model-name", default=None)
+    launch.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice "auto" (needs --tool-call-parser)',
+    )
+    launch.add_argument(
+        "--tool-call-parser", choices=["hermes"], help="how auto tool calls are read from answers"
+    )
     launch.add_argument("--log-dir", default=None, help="write rank{R}.jsonl logs here")
     launch.add_argument("--nnodes", type=int, default=1)
     launch.add_argument("--node-rank", type=int, default=0)

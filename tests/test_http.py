@@ -8,6 +8,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -83,19 +84,23 @@ async def serving(
     max_body_bytes: int = 1 << 20,
     plan: dict[str, Any] | None = None,
     max_model_len: int = 512,
+    model_dir: Path | None = None,
+    http: dict[str, Any] | None = None,
     **engine: Any,
 ) -> AsyncIterator[Server]:
     """A real server on 127.0.0.1 over a real single-rank conductor;
-    `engine`: more EngineConfig options."""
+    `engine`: more EngineConfig options, `http` more HttpOptions."""
     config = EngineConfig(
-        model_dir=builtin_model_dir(),
+        model_dir=model_dir or builtin_model_dir(),
         kv_capacity_tokens=4096,
         max_model_len=max_model_len,
         **engine,
     )
     conductor = build_conductor(config)
     running = asyncio.create_task(conductor.run())
-    options = HttpOptions(port=0, api_key=api_key, model_name=MODEL, max_body_bytes=max_body_bytes)
+    options = HttpOptions(
+        port=0, api_key=api_key, model_name=MODEL, max_body_bytes=max_body_bytes, **(http or {})
+    )
     runner = web.AppRunner(create_app(conductor, options, plan))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -5,6 +5,7 @@ whole pass it rides in, and every request batched with it)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ringserve.http.errors import bad_request
@@ -80,7 +81,24 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": _content(message, i)}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls is not None:
+        out["tool_calls"] = [_template_call(c) for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call with its arguments as an object, as Hugging Face passes
+    them to chat templates (OpenAI sends them as JSON text)."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": fn}
 
 
 def _content(message: ChatMessage, i: int) -> str:

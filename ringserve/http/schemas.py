@@ -141,9 +141,11 @@ class ContentPart(Struct, kw_only=True):
 class ChatMessage(Struct, kw_only=True):
     """The roles the chat templates served here render."""
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's, OpenAI's shape
+    tool_call_id: str | None = None  # a tool message's
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
@@ -179,7 +181,9 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: Annotated[list[dict[str, Any]], Meta(extra_json_schema=only([]))] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # vLLM's chat extensions: the template's variables, and what is refused by name.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -301,7 +305,6 @@ def unsupported_fields(body: SamplingFields) -> list[str]:
         }
     if isinstance(body, ChatRequest):
         asked |= {
-            "tools": bool(body.tools),
             "continue_final_message": body.continue_final_message,
             "chat_template": body.chat_template is not None,
             "documents": body.documents is not None,
