@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from aiohttp import web
 
 from ringserve.http.errors import bad_request
@@ -41,7 +42,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, ChatRequest)
     served.check_model(body.model)
     refuse_unsupported(body)
-    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, served.tool_parser)
+    tools = None if body.tools is None else msgspec.to_builtins(body.tools)
+    choice = msgspec.to_builtins(body.tool_choice)
+    plan = plan_tools(tools, choice, body.parallel_tool_calls, served.tool_parser)
     template = dict(body.chat_template_kwargs or {})
     if plan.tools is not None:
         template["tools"] = plan.tools

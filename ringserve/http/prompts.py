@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from ringserve.http.errors import bad_request
-from ringserve.http.schemas import ChatMessage
+from ringserve.http.schemas import ChatMessage, MessageToolCall
 from ringserve.http.served import ServedModel
 from ringserve.models.tokenizer import Tokenizer
 
@@ -88,17 +88,15 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
     return out
 
 
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_call(call: MessageToolCall) -> dict[str, Any]:
     """A tool call with its arguments as an object, as Hugging Face passes
     them to chat templates (OpenAI sends them as JSON text)."""
-    fn = dict(call.get("function") or {})
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            fn["arguments"] = json.loads(args)
-        except json.JSONDecodeError:
-            pass
-    return {**call, "function": fn}
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 def _content(message: ChatMessage, i: int) -> str:

@@ -55,6 +55,7 @@ MinP = Annotated[float, Meta(ge=0, le=1)]
 StopText = Annotated[str, Meta(min_length=1)]
 Stop = StopText | Annotated[list[StopText], Meta(max_length=MAX_STOP)] | None
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
+BiasKey = Annotated[str, Meta(pattern="^[0-9]{1,9}$", description="a token id")]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -83,10 +84,10 @@ class SamplingFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[BiasKey, float] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, description="at most max_tokens")] = 0
+    allowed_token_ids: Annotated[list[PromptId], Meta(min_length=1)] | None = None
     bad_words: list[StopText] | None = None
 
     # Structured outputs: OpenAI's `response_format`, vLLM's
@@ -97,7 +98,7 @@ class SamplingFields(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
+    guided_decoding_backend: Literal["guidance", "llguidance", "auto"] | None = None
     guided_whitespace_pattern: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
     # vLLM's extensions that ringserve does not implement: declared, so a
     # request asking for one is refused by name (unsupported_fields).
@@ -138,13 +139,24 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+class CalledFunction(Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(Struct, kw_only=True):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Struct, kw_only=True):
     """The roles the chat templates served here render."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's, OpenAI's shape
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's, OpenAI's shape
     tool_call_id: str | None = None  # a tool message's
 
 
@@ -176,13 +188,34 @@ class StructuredOutputs(Struct, kw_only=True):
     whitespace_pattern: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
 
 
+class FunctionDef(Struct, kw_only=True, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # vLLM's chat extensions: the template's variables, and what is refused by name.
     add_generation_prompt: bool = True

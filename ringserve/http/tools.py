@@ -228,6 +228,7 @@ class ToolStream:
                 return [ChatDelta(content=piece)]
             return []
         if self.plan.mode == "none":
+            self.sent = len(self.text)
             return [ChatDelta(content=text)] if text else []
         return []  # required: the list is parsed whole at the end
 
