@@ -74,9 +74,7 @@ def main() -> None:
             f = statistics.median(r for r, _ in free)
             j = statistics.median(r for r, _ in json_)
             per = (statistics.mean(n for _, n in free), statistics.mean(n for _, n in json_))
-            print(
-                f"{batch:5d}  {f:19.1f}  {j:17.1f}  {j / f:5.3f}  ({per[0]:.1f}, {per[1]:.1f})"
-            )
+            print(f"{batch:5d}  {f:19.1f}  {j:17.1f}  {j / f:5.3f}  ({per[0]:.1f}, {per[1]:.1f})")
         cold, warm, none = [], [], []
         for i in range(args.repeats):
             fresh = {**SCHEMA, "properties": {**SCHEMA["properties"], f"k{i}": {"type": "integer"}}}

@@ -92,6 +92,13 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     model = Path(args.model) if args.model else builtin_model_dir()
     split = tuple(int(x) for x in args.layer_split.split(",")) if args.layer_split else None
     given = {k: getattr(args, k) for k in _PASSED_ON if getattr(args, k) is not None}
+    if args.structured_outputs_config is not None:
+        from ringserve.engine.grammar import StructuredOutputsConfig
+
+        try:
+            StructuredOutputsConfig.parse(args.structured_outputs_config)
+        except ValueError as exc:
+            raise SystemExit(f"ringserve: --structured-outputs-config: {exc}") from None
     if args.rank_speed:
         given["rank_speed"] = tuple(float(x) for x in args.rank_speed.split(","))
     return EngineConfig(

@@ -301,3 +301,17 @@ def test_a_constrained_and_penalized_run_replays_with_the_scheduler_rerun(tmp_pa
     assert report.rerun.reproduced and report.rerun.decisions == report.passes
     logged = (tmp_path / "rank0.jsonl").read_text()
     assert '"request.retracted"' in logged
+
+
+def test_launch_refuses_a_bad_structured_outputs_config_in_one_line():
+    import subprocess
+    import sys
+
+    bad = '{"backend": "outlines"}'
+    cmd = [sys.executable, "-m", "ringserve", "launch", "--structured-outputs-config", bad]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        "ringserve: --structured-outputs-config: structured outputs backend 'outlines' is not "
+        "available here; choose one of ['guidance', 'auto'] (llguidance)"
+    ]
