@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,7 +20,7 @@ def __getattr__(name: str) -> Any:
         from ringserve.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "RequestOutput"):
+    if name in ("SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputsParams"):
         from ringserve import params
 
         return getattr(params, name)

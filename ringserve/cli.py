@@ -91,6 +91,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="host memory per rank for that tier; the planner solves the tokens",
     )
+    p.add_argument(
+        "--structured-outputs-config",
+        help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true}',
+    )
     p.add_argument("--wedge-timeout-s", type=float, help=f"default {d['wedge_timeout_s']}")
     p.add_argument("--heartbeat-s", type=float, help=f"default {d['heartbeat_s']}")
 
@@ -99,6 +103,7 @@ _PASSED_ON = (
     "dtype", "max_model_len", "kv_capacity_tokens", "max_tokens_per_pass", "chunk_size",
     "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s", "plan_for", "min_kv_tokens",
     "max_waiting_requests", "queue_timeout_s", "host_kv_tokens", "host_kv_mib",
+    "structured_outputs_config",
 )  # fmt: skip
 
 
@@ -127,6 +132,13 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     model = _model_dir(args)
     split = numbers(args.layer_split, "--layer-split") if args.layer_split else None
     given = {k: getattr(args, k) for k in _PASSED_ON if getattr(args, k) is not None}
+    if args.structured_outputs_config is not None:
+        from ringserve.engine.grammar import StructuredOutputsConfig
+
+        try:
+            StructuredOutputsConfig.parse(args.structured_outputs_config)
+        except ValueError as exc:
+            raise UserError(f"--structured-outputs-config: {exc}") from None
     if args.rank_speed:
         given["rank_speed"] = numbers(args.rank_speed, "--rank-speed", float)
     return EngineConfig(
@@ -177,7 +189,16 @@ def _launch(args: argparse.Namespace) -> int:
     name = args.served_model_name
     if name is None and args.model is not None and not Path(args.model).is_dir():
         name = args.model
-    http = HttpOptions(host=args.host, port=args.port, api_key=args.api_key, model_name=name)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser")
+    http = HttpOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        model_name=name,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+    )
     return launch(node, config, http, args.log_dir)
 
 
@@ -216,6 +237,14 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--port", type=int, default=8000)
     launch.add_argument("--api-key", default=None)
     launch.add_argument("--served-model-name", default=None)
+    launch.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice "auto" (needs --tool-call-parser)',
+    )
+    launch.add_argument(
+        "--tool-call-parser", choices=["hermes"], help="how auto tool calls are read from answers"
+    )
     launch.add_argument("--log-dir", default=None, help="write rank{R}.jsonl logs here")
     launch.add_argument("--nnodes", type=int, default=1)
     launch.add_argument("--node-rank", type=int, default=0)

@@ -61,6 +61,8 @@ class EngineConfig:
     host_kv_tokens: int = 0  # host tier slots per rank (the same on every rank); 0: none
     host_kv_mib: int | None = None  # host tier budget per rank; the planner solves the tokens
     plan: dict[str, Any] | None = field(default=None, compare=False)
+    # vLLM's --structured-outputs-config: a JSON object (engine/grammar.py)
+    structured_outputs_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.plan_for not in PLAN_FOR:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from ringserve.params import RequestOutput, SamplingParams
 from ringserve.plan.sizing import size_ring
 
 Prompt = str | Sequence[int]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -66,16 +68,62 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         per_prompt = _per_prompt(params, len(prompts))
         ids = [self._encode(p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._generate(ids, per_prompt, texts, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's turn of one conversation (a list of
+        messages) or of each of several, rendered with the model's chat
+        template; `tools` (OpenAI's function list) and `chat_template_kwargs`
+        reach the template as Hugging Face passes them."""
+        conversations = _as_conversations(messages)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: LLM.chat needs its chat template")
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
+        texts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt, **extra)
+            for c in conversations
+        ]
+        # The template writes the special tokens itself.
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._generate(ids, _per_prompt(sampling_params, len(ids)), texts, use_tqdm)
+
+    def _generate(
+        self,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        texts: list[str | None],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Each prompt's `n` choices run as requests of their own (choice i
+        of a seeded prompt with seed + i) and come back as one output."""
         if self._ring is None:
             raise RuntimeError("this LLM is closed")
-        bar = GenerateBar(len(ids), use_tqdm)
+        flat_ids = [p for p, sp in zip(ids, params, strict=True) for _ in range(sp.n)]
+        flat_params = [c for sp in params for c in _choices(sp)]
+        bar = GenerateBar(len(flat_ids), use_tqdm)
         try:
-            outputs = self._ring.generate(ids, per_prompt, bar.done)
+            outputs = self._ring.generate(flat_ids, flat_params, bar.done)
         finally:
             bar.close()
         if self._ring.conductor.failure is not None:
             raise RuntimeError(f"generation failed: {self._ring.conductor.failure}")
-        return outputs
+        grouped, at = [], 0
+        for sp, text in zip(params, texts, strict=True):
+            grouped.append(RequestOutput.of_choices(text, outputs[at : at + sp.n]))
+            at += sp.n
+        return grouped
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -104,6 +152,28 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if items and all(isinstance(t, int) for t in items):
         return [items]
     return items
+
+
+def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    items = list(messages)
+    if not items:
+        raise ValueError("LLM.chat needs at least one message")
+    if all(isinstance(m, dict) for m in items):
+        return [items]  # type: ignore[list-item]
+    if all(isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in items):
+        return items  # type: ignore[return-value]
+    raise ValueError("messages must be a list of message dicts or a list of such lists")
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """The `n` requests of one prompt; choice i of a seeded one uses seed + i
+    (as the HTTP API does), so the choices differ and replay alike."""
+    if params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]
 
 
 def _per_prompt(

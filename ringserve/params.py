@@ -2,10 +2,68 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOP_K = (1 << 31) - 1  # the sampler's tensors hold it; past the vocabulary it keeps all
+MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as OpenAI and vLLM clamp it
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """What a request's output must match, as vLLM names it: exactly one of
+    a JSON schema (`json`, a dict or its text), `regex`, `choice` (one of
+    the strings), `grammar` (Lark, or GBNF when it has `::=`) and
+    `json_object` (any JSON object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(
+            len(given) == 1,
+            "structured_outputs needs exactly one of json, regex, choice, grammar and "
+            f"json_object, got {given or 'none'}",
+        )
+        _check(
+            self.choice is None
+            or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
+            "structured_outputs choice must be a non-empty list of strings",
+        )
+
+    @property
+    def kind(self) -> str:
+        if self.json is not None:
+            return "JSON schema"
+        if self.json_object:
+            return "JSON object"
+        return (
+            "regex"
+            if self.regex is not None
+            else "choice"
+            if self.choice is not None
+            else "grammar"
+        )
+
+    def key(self) -> str:
+        """One spelling per grammar, for the cache of compiled grammars."""
+        value: Any = self.json
+        if isinstance(value, str):
+            try:
+                value = _json.loads(value)
+            except ValueError:
+                pass
+        parts = [self.kind, value, self.regex, self.choice, self.grammar]
+        return _json.dumps(parts, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +82,25 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logits processing (engine/logits.py), in vLLM's meanings: `logit_bias`
+    # maps token id to a bias; `repetition_penalty` divides the positive (and
+    # multiplies the negative) logits of every token of the prompt and the
+    # output; `frequency_penalty` and `presence_penalty` subtract, over the
+    # output, penalty x count and penalty x (count > 0). `min_tokens` bans
+    # EOS and `stop_token_ids` until that many tokens were generated;
+    # `allowed_token_ids` bans every other token; a `bad_words` entry is banned
+    # where the output ends with all its tokens but the last (rank 0 turns the
+    # words into `bad_words_token_ids`).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -47,6 +124,60 @@ class SamplingParams:
             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
         )
 
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        if isinstance(self.bad_words, str | list):
+            words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+            object.__setattr__(self, "bad_words", words)
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words_token_ids, list):
+            ids = tuple(tuple(w) for w in self.bad_words_token_ids)
+            object.__setattr__(self, "bad_words_token_ids", ids)
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]")
+        _check(self.repetition_penalty > 0, "repetition_penalty must be > 0")
+        if self.logit_bias is not None:
+            _check(
+                all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                "logit_bias keys must be token ids >= 0",
+            )
+            clamped = {
+                int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b)))
+                for t, b in self.logit_bias.items()
+            }
+            object.__setattr__(self, "logit_bias", clamped)
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(self.min_tokens <= self.max_tokens, "min_tokens must be at most max_tokens")
+        _check(
+            self.allowed_token_ids is None
+            or (len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids must be a non-empty list of token ids >= 0",
+        )
+        _check(
+            all(isinstance(w, str) and w for w in self.bad_words),
+            "bad_words must be non-empty strings",
+        )
+        _check(isinstance(self.n, int) and self.n >= 1, "n must be >= 1")
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(
+                self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs)
+            )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the last rank must change this request's logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
@@ -58,10 +189,33 @@ def _check(ok: bool, message: str) -> None:
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One choice of a prompt, as vLLM returns it: generated ids, their text
+    (when the model has a tokenizer), the sampled tokens' logprobs when asked
+    (`top_logprobs`: the k most likely per position) and why generation
+    stopped (`stop`, `length`, `abort` or `error: ...`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(self.logprobs)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """The result of one prompt: generated ids, their text (when the model
-    has a tokenizer) and why generation stopped (`stop`, `length`, `abort`
-    or `error: ...`)."""
+    """The result of one prompt: `outputs` holds its `n` choices, as vLLM's
+    RequestOutput does. The first choice's fields are also the output's own
+    (`token_ids`, `text`, ...), for the common case of one choice."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -71,3 +225,30 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     cached_tokens: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    @classmethod
+    def of_choices(cls, prompt: str | None, choices: list[RequestOutput]) -> RequestOutput:
+        """One prompt's output from the outputs of its choices, in order."""
+        first = choices[0]
+        outputs = [
+            CompletionOutput(i, c.text, c.token_ids, c.finish_reason, c.logprobs, c.top_logprobs)
+            for i, c in enumerate(choices)
+        ]
+        return cls(
+            request_id=first.request_id,
+            prompt_token_ids=first.prompt_token_ids,
+            token_ids=first.token_ids,
+            text=first.text,
+            finish_reason=first.finish_reason,
+            logprobs=first.logprobs,
+            top_logprobs=first.top_logprobs,
+            cached_tokens=first.cached_tokens,
+            outputs=outputs,
+            prompt=prompt,
+        )

@@ -8,6 +8,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -83,19 +84,23 @@ async def serving(
     max_body_bytes: int = 1 << 20,
     plan: dict[str, Any] | None = None,
     max_model_len: int = 512,
+    model_dir: Path | None = None,
+    http: dict[str, Any] | None = None,
     **engine: Any,
 ) -> AsyncIterator[Server]:
     """A real server on 127.0.0.1 over a real single-rank conductor;
-    `engine`: more EngineConfig options."""
+    `engine`: more EngineConfig options, `http` more HttpOptions."""
     config = EngineConfig(
-        model_dir=builtin_model_dir(),
+        model_dir=model_dir or builtin_model_dir(),
         kv_capacity_tokens=engine.pop("kv_capacity_tokens", 4096),
         max_model_len=max_model_len,
         **engine,
     )
     conductor = build_conductor(config)
     running = asyncio.create_task(conductor.run())
-    options = HttpOptions(port=0, api_key=api_key, model_name=MODEL, max_body_bytes=max_body_bytes)
+    options = HttpOptions(
+        port=0, api_key=api_key, model_name=MODEL, max_body_bytes=max_body_bytes, **(http or {})
+    )
     runner = web.AppRunner(create_app(conductor, options, plan))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -109,6 +114,7 @@ async def serving(
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
         conductor.executor.shutdown(wait=True)
+        conductor.mask_executor.shutdown(wait=True)
 
 
 @pytest.fixture
@@ -359,7 +365,43 @@ BAD_REQUESTS = {
     "bad_top_p": ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     "empty_stop": ("/v1/completions", {"prompt": PROMPT, "stop": ""}, 400, "stop"),
     "too_many_choices": ("/v1/completions", {"prompt": PROMPT, "n": 99}, 400, "n"),
-    "unsupported_echo": ("/v1/completions", {"prompt": PROMPT, "echo": True}, 400, "echo"),
+    "echo_with_logprobs": (
+        "/v1/completions",
+        {"prompt": PROMPT, "echo": True, "logprobs": 1},
+        400,
+        "echo",
+    ),
+    "suffix": ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, 400, "suffix"),
+    "vllm_beam_search": (
+        "/v1/completions",
+        {"prompt": PROMPT, "use_beam_search": True},
+        400,
+        "use_beam_search",
+    ),
+    "vllm_prompt_logprobs": (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "prompt_logprobs": 1},
+        400,
+        "prompt_logprobs",
+    ),
+    "bias_out_of_vocab": (
+        "/v1/completions",
+        {"prompt": PROMPT, "logit_bias": {"999999": 5}},
+        400,
+        "logit_bias",
+    ),
+    "bias_not_an_id": (
+        "/v1/completions",
+        {"prompt": PROMPT, "logit_bias": {"abc": 5}},
+        400,
+        "logit_bias",
+    ),
+    "penalty_out_of_range": (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
     "unknown_model": ("/v1/completions", {"prompt": PROMPT, "model": "gpt-9"}, 404, "model"),
     "no_messages": ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     "unknown_role": (

@@ -10,9 +10,10 @@ per pass from the last rank. With one rank the pass ends locally.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import structlog
+import torch
 
 from ringserve import logs
 from ringserve.engine.desk import RequestDesk
@@ -53,6 +54,7 @@ class Conductor:
         self.wedge_timeout_s = wedge_timeout_s
         self.heartbeat_s = heartbeat_s
         self.executor = executor if executor is not None else ThreadPoolExecutor(1, "forward")
+        self.mask_executor = ThreadPoolExecutor(1, "masks")  # grammar masks, beside the forward
         self.health = Liveness(rank=0)
         self._wake = asyncio.Event()
         self._launched = asyncio.Event()
@@ -103,6 +105,17 @@ class Conductor:
         handle = self.desk.submit(prompt, params, stream_text)
         self._wake.set()
         return handle
+
+    async def prepare(self, params: list[SamplingParams]) -> None:
+        """Compile the grammars of `params` off the event loop, so `submit`
+        finds them compiled; ValueError (GrammarError) naming what is wrong."""
+        grammars = self.desk.grammars
+        for so in {
+            p.structured_outputs.key(): p.structured_outputs for p in params if p.structured_outputs
+        }.values():
+            if grammars is None:
+                raise ValueError("structured_outputs are not available on this engine")
+            await grammars.prepare(so)
 
     def abort(self, req_id: int, reason: str = "abort") -> None:
         self.desk.abort(req_id, reason)
@@ -159,8 +172,11 @@ class Conductor:
         if self.ring is not None:
             await self.ring.send.send(decision)
             self._launched.set()
+        masks = self._masks(decision)  # filled while rank 0's forward runs
         try:
-            forward = loop.run_in_executor(self.executor, self.stage.compute, decision, rows, None)
+            on_rank0 = masks.result if self.ring is None and masks is not None else None
+            compute = self.stage.compute
+            forward = loop.run_in_executor(self.executor, compute, decision, rows, None, on_rank0)
             # rank 0's own forward is owed work too: a hung one turns health red
             result = await watched(forward, Owed(p, Output, 0), self.wedge_timeout_s, self.health)
         except PassFailed as exc:
@@ -172,7 +188,19 @@ class Conductor:
         if self.ring is None:
             self._on_terminal(result)
         else:
-            await self.ring.send.send(Hidden(p), [result])
+            # the decision announced the masks of its masked entries: they ride along
+            got = [] if masks is None else [await asyncio.wrap_future(masks)]
+            await self.ring.send.send(Hidden(p), [result, *got])
+
+    def _masks(self, decision: Decision) -> Future[torch.Tensor] | None:
+        """The packed grammar masks of the pass's masked entries, being
+        filled on the mask thread; None when no entry is masked."""
+        masked = [e.req_id for e in decision.entries if e.masked]
+        if not masked:
+            return None
+        if self.desk.grammars is None:
+            raise RuntimeError("a masked entry on an engine without structured outputs")
+        return self.mask_executor.submit(self.desk.grammars.masks, masked)
 
     async def _terminals(self) -> None:
         """Apply the one terminal owed for each pass, in pass order: the last
@@ -199,7 +227,9 @@ class Conductor:
                 log.debug(
                     "pass.output", pass_id=msg.pass_id, tokens=msg.tokens, fallbacks=msg.fallbacks
                 )
+            record = self.scheduler.in_flight[msg.pass_id]
             touched = self.scheduler.on_output(msg)
+            self._advance_grammars(record.decision, msg)
             self.metrics.passes += 1
             self.metrics.generation_tokens += len(msg.tokens)
         else:
@@ -207,6 +237,20 @@ class Conductor:
         self.health.mark_progress()
         self.desk.deliver(touched)
         self._wake.set()
+
+    def _advance_grammars(self, decision: Decision, out: Output) -> None:
+        """Each constrained request's matcher takes its accepted token; a
+        grammar that is complete ends its request (`stop`), one the token
+        broke fails it. Both go through the scheduler's abort, which the log
+        records for a re-run."""
+        grammars = self.desk.grammars
+        if grammars is None:
+            return
+        sampled = (e.req_id for e in decision.entries if e.sample)
+        for req_id, token in zip(sampled, out.tokens, strict=True):
+            reason = grammars.accept(req_id, token)
+            if reason is not None:
+                self.scheduler.abort(req_id, reason)
 
     def fail(self, reason: str) -> None:
         """The ring is broken: fail every live request with the reason."""

@@ -18,8 +18,10 @@ import time
 import structlog
 
 from ringserve import logs
+from ringserve.engine.grammar import Grammars, GrammarStart
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.metrics import Metrics
+from ringserve.engine.processing_params import processing_params
 from ringserve.engine.textstream import TextStream
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import SamplingParams
@@ -56,6 +58,7 @@ class RequestDesk:
         *,
         max_waiting: int | None = None,
         queue_timeout_s: float | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -63,6 +66,7 @@ class RequestDesk:
         self.vocab_size = vocab_size
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
+        self.grammars = grammars
         self.metrics = Metrics()
         self.handles: dict[int, RequestHandle] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
@@ -76,12 +80,16 @@ class RequestDesk:
             raise ValueError(
                 f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens"
             )
+        params = processing_params(params, self.tokenizer, self.vocab_size)
+        grammar = self._grammar(params)
         waiting = len(self.scheduler.waiting)
         if self.max_waiting is not None and waiting >= self.max_waiting:
             self.metrics.requests_rejected += 1
             log.info("request.rejected", waiting=waiting, limit=self.max_waiting)
             raise QueueFull(waiting, self.max_waiting)
         req = self.new_request(prompt, params)
+        if grammar is not None:
+            grammar.bind(req.req_id)
         self.scheduler.add(req)
         if self._trace:  # what a re-run of the scheduler needs (ringserve replay)
             log.debug(
@@ -101,6 +109,16 @@ class RequestDesk:
                 self.queue_timeout_s, self._expire, req.req_id
             )
         return handle
+
+    def _grammar(self, params: SamplingParams) -> GrammarStart | None:
+        """The compiled grammar of a constrained request (GrammarError, a
+        ValueError, when it cannot compile)."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs are not available on this engine")
+        return self.grammars.starter(so)
 
     def _expire(self, req_id: int) -> None:
         """The queue timeout of a request is up: abort it if it is still
@@ -159,6 +177,8 @@ class RequestDesk:
         if timer is not None:
             timer.cancel()
         del self.handles[req.req_id]
+        if self.grammars is not None:
+            self.grammars.drop(req.req_id)
         self.scheduler.forget(req.req_id)
 
     def fail_all(self, reason: str) -> None:
@@ -168,6 +188,9 @@ class RequestDesk:
             req.in_flight = False
             self.scheduler.abort(req.req_id, f"error: {reason}")
             handle.take_new_tokens()
+        if self.grammars is not None:
+            for req_id in self.handles:
+                self.grammars.drop(req_id)
         self.handles.clear()
         for timer in self._timers.values():
             timer.cancel()

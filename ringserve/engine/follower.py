@@ -121,9 +121,10 @@ class Follower:
         if hidden.void is not None:
             void, void_rank = hidden.void, hidden.void_rank
         result = None
+        masks = tuple(tensors[1:])  # rank 0's grammar masks ride beside the hidden states
         if void is None:
-            result, void = await self._compute(loop, decision, rows, tensors[0])
-        await self._pass_on(p, result, void, void_rank)
+            result, void = await self._compute(loop, decision, rows, tensors[0], masks)
+        await self._pass_on(p, result, void, void_rank, masks)
 
     def _apply(self, decision: Decision) -> tuple[list[Row], str | None]:
         try:
@@ -133,16 +134,27 @@ class Follower:
             return [], f"replica mismatch: {exc}"
 
     async def _compute(
-        self, loop: asyncio.AbstractEventLoop, decision: Decision, rows: list[Row], x: torch.Tensor
+        self,
+        loop: asyncio.AbstractEventLoop,
+        decision: Decision,
+        rows: list[Row],
+        x: torch.Tensor,
+        masks: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor | Output | None, str | None]:
+        got = masks[0] if masks else None
         try:
             compute = self.stage.compute
-            return await loop.run_in_executor(self.executor, compute, decision, rows, x), None
+            return await loop.run_in_executor(self.executor, compute, decision, rows, x, got), None
         except PassFailed as exc:
             return None, str(exc)
 
     async def _pass_on(
-        self, p: int, result: torch.Tensor | Output | None, void: str | None, void_rank: int
+        self,
+        p: int,
+        result: torch.Tensor | Output | None,
+        void: str | None,
+        void_rank: int,
+        masks: tuple[torch.Tensor, ...] = (),
     ) -> None:
         if void is not None:
             log.warning("pass.void", rank=self.rank, pass_id=p, void_rank=void_rank, reason=void)
@@ -152,4 +164,4 @@ class Follower:
         elif void is not None:
             await self.send.send(Hidden(p, void=void, void_rank=void_rank))
         else:
-            await self.send.send(Hidden(p), [result])
+            await self.send.send(Hidden(p), [result, *masks])

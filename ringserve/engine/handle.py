@@ -88,7 +88,7 @@ class RequestHandle:
 
     def output(self) -> RequestOutput:
         req = self.req
-        return RequestOutput(
+        one = RequestOutput(
             request_id=req.req_id,
             prompt_token_ids=req.prompt,
             token_ids=list(req.output),
@@ -98,3 +98,4 @@ class RequestHandle:
             top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
             cached_tokens=req.cached_tokens,
         )
+        return RequestOutput.of_choices(None, [one])

@@ -17,10 +17,12 @@ class ReplicaMismatch(RuntimeError):
 
 @dataclass(slots=True)
 class Row:
-    """Invariant: `slots` are the KV slots of the request's context in order."""
+    """Invariant: `slots` are the KV slots of the request's context in order;
+    `tokens`, kept when the sampling needs them, are that context's tokens."""
 
     sampling: SamplingSpec
     slots: list[int] = field(default_factory=list)
+    tokens: list[int] | None = None
 
 
 class Replica:
@@ -34,7 +36,7 @@ class Replica:
         table as it was."""
         if decision.pass_id <= self.last_pass:
             raise ReplicaMismatch(f"pass {decision.pass_id} arrived after {self.last_pass}")
-        new = {nr.req_id: nr.sampling for nr in decision.new_requests}
+        new = {nr.req_id: nr for nr in decision.new_requests}
         for e in decision.entries:
             if e.req_id in new:
                 if e.reuse is None or len(e.reuse) != e.start:
@@ -49,8 +51,9 @@ class Replica:
                 )
         for req_id in decision.dropped:
             self.rows.pop(req_id, None)
-        for req_id, sampling in new.items():
-            self.rows[req_id] = Row(sampling)
+        for req_id, nr in new.items():
+            history = None if nr.history is None else list(nr.history)
+            self.rows[req_id] = Row(nr.sampling, tokens=history)
         rows = []
         for e in decision.entries:
             row = self.rows[e.req_id]
@@ -59,6 +62,9 @@ class Replica:
             else:
                 del row.slots[e.start :]
             row.slots.extend(e.slots)
+            if row.tokens is not None:
+                del row.tokens[e.start :]
+                row.tokens.extend(e.tokens)
             rows.append(row)
         self.last_pass = decision.pass_id
         return rows

@@ -89,13 +89,23 @@ class Runner:
 
     @torch.inference_mode()
     def sample(
-        self, decision: Decision, rows: list[Row], batch: ForwardBatch, hidden: torch.Tensor
+        self,
+        decision: Decision,
+        rows: list[Row],
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        masks: torch.Tensor | None = None,
     ) -> Output:
         logits = self.model.logits(hidden[batch.sample_rows])
         picked = [(e, r) for e, r in zip(decision.entries, rows, strict=True) if e.sample]
         specs = [r.sampling for _, r in picked]
         positions = [e.start + len(e.tokens) for e, _ in picked]
-        return self.sampler(decision.pass_id, logits, specs, positions)
+        histories = [r.tokens for _, r in picked]
+        rows_masks = None
+        if masks is not None:  # one row per masked entry, in entry order
+            masked = [i for i, (e, _) in enumerate(picked) if e.masked]
+            rows_masks = (torch.tensor(masked, dtype=torch.int64), masks)
+        return self.sampler(decision.pass_id, logits, specs, positions, histories, rows_masks)
 
 
 def dry_run_slots(tokens: int, rows: int, capacity: int) -> list[list[int]]:

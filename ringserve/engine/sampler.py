@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ringserve.engine import logits as processing
+from ringserve.engine.grammar import apply_masks
 from ringserve.kernels import ops
 from ringserve.ring.messages import Output, SamplingSpec, TopLogprobs
 
@@ -30,12 +32,24 @@ class Sampler:
         logits: torch.Tensor,
         specs: list[SamplingSpec],
         positions: list[int],
+        histories: list[list[int] | None] | None = None,
+        masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Output:
+        """`positions[i]` is the position of row i's token being drawn (the
+        length of its context); `histories[i]` the context's tokens where the
+        row's logits processing needs them; `masks` the grammar masks of the
+        constrained rows (rank 0's, engine/grammar.py). Logprobs are of the model's raw
+        logits, as vLLM reports them."""
         logits = logits.float()
+        if histories is None:
+            histories = [None] * len(specs)
+        shaped = processing.process(logits, specs, histories, positions)
+        if masks is not None:
+            shaped = apply_masks(shaped, *masks)
         if all(s.temperature == 0 or s.top_k == 1 for s in specs):
-            tokens, fallback = self._greedy(logits)
+            tokens, fallback = self._greedy(shaped)
         else:
-            tokens, fallback = self._sample(logits, specs, positions)
+            tokens, fallback = self._sample(shaped, specs, positions)
         logprobs, top = self._logprobs(logits, tokens, specs)
         return Output(
             pass_id=pass_id,

@@ -5,6 +5,7 @@ its own layers, so there is one definition of a pass's execution."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -16,6 +17,10 @@ from ringserve.ring.faults import FaultPlan
 from ringserve.ring.messages import Decision, Output
 
 log = structlog.get_logger(__name__)
+
+# A pass's packed grammar masks, one row per masked entry, beside its Hidden;
+# on rank 0 alone, a callable that waits for them.
+MaskSource = torch.Tensor | Callable[[], torch.Tensor] | None
 
 
 class PassFailed(RuntimeError):
@@ -41,17 +46,24 @@ class Stage:
         return rows
 
     def compute(
-        self, decision: Decision, rows: list[Row], hidden: torch.Tensor | None
+        self,
+        decision: Decision,
+        rows: list[Row],
+        hidden: torch.Tensor | None,
+        masks: MaskSource = None,
     ) -> torch.Tensor | Output:
-        """Run this rank's layers; the last rank returns the pass's Output.
-        Raises PassFailed when the pass cannot run here."""
+        """Run this rank's layers; the last rank returns the pass's Output,
+        sampled under the pass's grammar masks (`masks`: rank 0's, or a
+        callable that waits for them). Raises PassFailed when the pass
+        cannot run here."""
         began = time.monotonic()
         try:
             self.runner.move_kv(decision)
             batch = self.runner.batch(decision, rows)
             out = self.runner.forward(decision, batch, hidden)
             if self.runner.last:
-                out = self.runner.sample(decision, rows, batch, out)
+                got = masks() if callable(masks) else masks
+                out = self.runner.sample(decision, rows, batch, out, got)
         except (RuntimeError, ValueError, IndexError) as exc:
             raise PassFailed(f"{type(exc).__name__}: {exc}") from exc
         spent = time.monotonic() - began
@@ -80,7 +92,11 @@ class FaultyStage(Stage):
         return super().apply(decision)
 
     def compute(
-        self, decision: Decision, rows: list[Row], hidden: torch.Tensor | None
+        self,
+        decision: Decision,
+        rows: list[Row],
+        hidden: torch.Tensor | None,
+        masks: MaskSource = None,
     ) -> torch.Tensor | Output:
         if self.faults.should_void(decision.pass_id):
             raise PassFailed("injected void")
@@ -89,4 +105,4 @@ class FaultyStage(Stage):
             raise PassFailed(f"injected failure of request {failing[0]}")
         if delay := self.faults.slow_s(len(self.runner.layers)):
             time.sleep(delay)
-        return super().compute(decision, rows, hidden)
+        return super().compute(decision, rows, hidden, masks)

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
-from ringserve.http import chat, completions, info, native, prometheus
+from ringserve.http import chat, completions, info, native, prometheus, tokenize
 from ringserve.http.middleware import auth_middleware, error_middleware
 from ringserve.http.openapi import OPENAPI, Route, openapi_spec
 from ringserve.http.options import HttpOptions
@@ -58,6 +58,22 @@ ROUTES = (
         GenerateRequest,
         Generation,
         events=GenerationChunk,
+    ),
+    Route(
+        "POST",
+        "/tokenize",
+        tokenize.tokenize,
+        "a prompt or a conversation to token ids, as vLLM's /tokenize",
+        tokenize.TokenizeRequest,
+        tokenize.TokenizeResponse,
+    ),
+    Route(
+        "POST",
+        "/detokenize",
+        tokenize.detokenize,
+        "token ids to text, as vLLM's /detokenize",
+        tokenize.DetokenizeRequest,
+        tokenize.DetokenizeResponse,
     ),
     Route("GET", "/v1/models", info.models, "the served model", answer=ModelList),
     Route(

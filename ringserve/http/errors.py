@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 
 # msgspec names the offending field as a JSON path: "... - at `$.max_tokens`".
-_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_AT_PATH = re.compile(r" - at (?:`key` in )?`\$\.?([^`]*)`$")  # a dict key: its dict
 
 
 class ErrorDetail(msgspec.Struct):

@@ -12,3 +12,10 @@ class HttpOptions:
     api_key: str | None = None
     model_name: str | None = None
     max_body_bytes: int = 4 << 20
+    # vLLM's --enable-auto-tool-choice and --tool-call-parser (http/tools.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")

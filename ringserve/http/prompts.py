@@ -5,8 +5,11 @@ whole pass it rides in, and every request batched with it)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from ringserve.http.errors import bad_request
-from ringserve.http.schemas import ChatMessage
+from ringserve.http.schemas import ChatMessage, MessageToolCall
 from ringserve.http.served import ServedModel
 from ringserve.models.tokenizer import Tokenizer
 
@@ -32,21 +35,29 @@ def completion_prompts(served: ServedModel, prompt: PromptBody) -> list[list[int
     )
 
 
-def chat_prompt(served: ServedModel, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt(
+    served: ServedModel,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    **template: Any,
+) -> list[int]:
     """The token ids of the conversation rendered with the chat template,
-    ending with the assistant's turn opened."""
+    ending with the assistant's turn opened; `template` holds more variables
+    for the template (`tools`, `chat_template_kwargs`)."""
     tokenizer = _tokenizer(served, "messages")
-    rendered = [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(messages)]
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt, **template)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     # The template writes the special tokens itself.
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def encode_text(served: ServedModel, text: str, param: str) -> list[int]:
-    return _tokenizer(served, param).encode(text)
+def encode_text(
+    served: ServedModel, text: str, param: str, *, add_special_tokens: bool = True
+) -> list[int]:
+    return _tokenizer(served, param).encode(text, add_special_tokens=add_special_tokens)
 
 
 def checked_ids(served: ServedModel, ids: list[int], param: str) -> list[int]:
@@ -63,6 +74,29 @@ def _tokenizer(served: ServedModel, param: str) -> Tokenizer:
     if served.tokenizer is None:
         raise bad_request("this model has no tokenizer: send the prompt as token ids", param=param)
     return served.tokenizer
+
+
+def _message(message: ChatMessage, i: int) -> dict[str, Any]:
+    """A message as the chat template reads it, Hugging Face's shape."""
+    out: dict[str, Any] = {"role": message.role, "content": _content(message, i)}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls is not None:
+        out["tool_calls"] = [_template_call(c) for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _template_call(call: MessageToolCall) -> dict[str, Any]:
+    """A tool call with its arguments as an object, as Hugging Face passes
+    them to chat templates (OpenAI sends them as JSON text)."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 def _content(message: ChatMessage, i: int) -> str:

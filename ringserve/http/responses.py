@@ -89,9 +89,23 @@ class ChatLogprobs(Struct):
     refusal: list[TokenLogprob] | None = None
 
 
-class AssistantMessage(Struct):
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    """The assistant's turn; `tool_calls` only when it called tools."""
+
     content: str | None
-    role: str = "assistant"
+    role: str
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Struct):
@@ -123,9 +137,25 @@ class ChatCompletion(Struct):
         return self.choices[0].token_ids
 
 
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A streamed tool call, as OpenAI streams it: the first delta of a
+    call has its id, type and name, later ones extend its arguments."""
+
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):

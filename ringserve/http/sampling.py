@@ -23,17 +23,25 @@ from ringserve.http.schemas import (
     unsupported_fields,
 )
 from ringserve.http.served import ServedModel
-from ringserve.params import SamplingParams
+from ringserve.params import SamplingParams, StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 256
 _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
+# What a refusal names when the field alone is not what is refused.
+_REFUSED_AS = {
+    "echo": "echo with logprobs (the prompt's logprobs)",
+    "skip_special_tokens": "skip_special_tokens false",
+    "spaces_between_special_tokens": "spaces_between_special_tokens false",
+}
 
 
 def refuse_unsupported(body: SamplingFields, prompts: int = 1) -> None:
     names = unsupported_fields(body)
     if names:
-        raise bad_request(f"{names[0]} is not supported by this server", param=names[0])
+        chat_echo = names[0] == "echo" and isinstance(body, ChatRequest)
+        what = names[0] if chat_echo else _REFUSED_AS.get(names[0], names[0])
+        raise bad_request(f"{what} is not supported by this server", param=names[0])
     if prompts * body.n > MAX_CHOICES:
         raise bad_request(
             f"{prompts} prompts with n={body.n} make {prompts * body.n} choices; "
@@ -67,10 +75,15 @@ def chat_logprobs_param(body: ChatRequest) -> int | None:
 
 
 def choice_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; a 400 naming the field when invalid."""
     stop = body.stop if body.stop is not None else ()
+    logit_bias = _logit_bias(body.logit_bias)
+    allowed = None if body.allowed_token_ids is None else tuple(body.allowed_token_ids)
     try:
         return [
             SamplingParams(
@@ -84,6 +97,14 @@ def choice_params(
                 stop=stop,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=logit_bias,
+                min_tokens=body.min_tokens,
+                allowed_token_ids=allowed,
+                bad_words=() if body.bad_words is None else tuple(body.bad_words),
+                structured_outputs=structured,
             )
             for i in range(body.n)
         ]
@@ -105,9 +126,29 @@ def native_params(served: ServedModel, s: NativeSampling) -> SamplingParams:
             stop=s.stop if s.stop is not None else (),
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            logit_bias=_logit_bias(s.logit_bias),
+            min_tokens=s.min_tokens,
+            allowed_token_ids=None if s.allowed_token_ids is None else tuple(s.allowed_token_ids),
+            bad_words=() if s.bad_words is None else tuple(s.bad_words),
         )
     except ValueError as exc:
         raise invalid_params(exc) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` keys are token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        bad = next(k for k in bias if not k.strip().isdigit())
+        raise bad_request(
+            f"logit_bias keys must be token ids, got {bad!r}", param="logit_bias"
+        ) from None
 
 
 def _top_k(top_k: int) -> int:

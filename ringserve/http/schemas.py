@@ -54,7 +54,8 @@ TopK = Annotated[int, Meta(ge=-1, le=MAX_TOP_K, description="-1 or 0: no top-k f
 MinP = Annotated[float, Meta(ge=0, le=1)]
 StopText = Annotated[str, Meta(min_length=1)]
 Stop = StopText | Annotated[list[StopText], Meta(max_length=MAX_STOP)] | None
-Zero = Annotated[float, Meta(extra_json_schema=only(0))]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+BiasKey = Annotated[str, Meta(pattern="^[0-9]{1,9}$", description="a token id")]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -62,8 +63,11 @@ class StreamOptions(Struct, kw_only=True):
 
 
 class SamplingFields(Struct, kw_only=True):
-    """What completions and chat share. Extensions to OpenAI: `top_k`,
-    `min_p`, `stop_token_ids`, `ignore_eos`."""
+    """What completions and chat share. Extensions to OpenAI, as vLLM names
+    them: `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`,
+    `repetition_penalty`, `min_tokens`, `allowed_token_ids`, `bad_words`.
+    `logit_bias` maps token ids (as strings, JSON's keys) to biases, clamped
+    to [-100, 100]."""
 
     model: Annotated[str, Meta(extra_json_schema=served("model"))] | None = None
     max_tokens: MaxTokens | None = None
@@ -78,9 +82,39 @@ class SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Zero = 0.0
-    frequency_penalty: Zero = 0.0
-    logit_bias: Annotated[dict[str, float], Meta(extra_json_schema=only({}))] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[BiasKey, float] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
+    min_tokens: Annotated[int, Meta(ge=0, description="at most max_tokens")] = 0
+    allowed_token_ids: Annotated[list[PromptId], Meta(min_length=1)] | None = None
+    bad_words: list[StopText] | None = None
+
+    # Structured outputs: OpenAI's `response_format`, vLLM's
+    # `structured_outputs` and its older `guided_*` spellings (http/structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["guidance", "llguidance", "auto"] | None = None
+    guided_whitespace_pattern: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+    # vLLM's extensions that ringserve does not implement: declared, so a
+    # request asking for one is refused by name (unsupported_fields).
+    use_beam_search: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    length_penalty: Annotated[float, Meta(extra_json_schema=only(1))] = 1.0
+    include_stop_str_in_output: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    skip_special_tokens: Annotated[bool, Meta(extra_json_schema=only(True))] = True
+    spaces_between_special_tokens: Annotated[bool, Meta(extra_json_schema=only(True))] = True
+    truncate_prompt_tokens: Annotated[int, Meta(extra_json_schema=only(None))] | None = None
+    prompt_logprobs: Annotated[int, Meta(extra_json_schema=only(None))] | None = None
+    priority: Annotated[int, Meta(extra_json_schema=only(0))] = 0
+    logits_processors: Annotated[list[Any], Meta(extra_json_schema=only(None))] | None = None
+    return_tokens_as_token_ids: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    cache_salt: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+    kv_transfer_params: Annotated[dict[str, Any], Meta(extra_json_schema=only(None))] | None = None
+    vllm_xargs: Annotated[dict[str, Any], Meta(extra_json_schema=only(None))] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -93,7 +127,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     prompt: str | list[str | PromptId | list[PromptId]]
     logprobs: TopLogprobs | None = None
-    echo: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    echo: Annotated[
+        bool, Meta(description="with logprobs, not supported: prompt logprobs are not computed")
+    ] = False
     suffix: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
     best_of: Annotated[int, Meta(description="must equal n")] | None = None
 
@@ -103,16 +139,74 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+class CalledFunction(Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(Struct, kw_only=True):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Struct, kw_only=True):
     """The roles the chat templates served here render."""
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's, OpenAI's shape
+    tool_call_id: str | None = None  # a tool message's
+
+
+class JsonSchemaFormat(Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema`: with `strict`, every object
+    of the schema is closed (no properties beyond those it names)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ResponseFormat(Struct, kw_only=True):
-    type: Literal["text"] = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of `json` (a schema),
+    `regex`, `choice`, `grammar` (Lark, or GBNF) and `json_object`."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+    whitespace_pattern: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+
+
+class FunctionDef(Struct, kw_only=True, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatRequest(SamplingFields, kw_only=True):
@@ -120,8 +214,17 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: Annotated[list[dict[str, Any]], Meta(extra_json_schema=only([]))] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # vLLM's chat extensions: the template's variables, and what is refused by name.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: Annotated[bool, Meta(extra_json_schema=only(False))] = False
+    chat_template: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
+    documents: Annotated[list[Any], Meta(extra_json_schema=only(None))] | None = None
+    mm_processor_kwargs: Annotated[dict[str, Any], Meta(extra_json_schema=only(None))] | None = None
+    echo: Annotated[bool, Meta(extra_json_schema=only(False))] = False
 
 
 class NativeSampling(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -138,6 +241,13 @@ class NativeSampling(Struct, kw_only=True, forbid_unknown_fields=True):
     stop: Stop = None
     ignore_eos: bool = False
     logprobs: TopLogprobs | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    bad_words: list[StopText] | None = None
 
 
 class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -181,6 +291,12 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
         "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
     },
+    "TokenizeRequest": {
+        "oneOf": [
+            {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+            {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
+        ]
+    },
     "GenerateRequest": {
         "oneOf": [
             {"properties": {"input_ids": {"type": "array"}}, "required": ["input_ids"]},
@@ -192,19 +308,42 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
 
 def unsupported_fields(body: SamplingFields) -> list[str]:
     """Names of requested features ringserve does not implement."""
-    asked = {
-        "presence_penalty": body.presence_penalty != 0,
-        "frequency_penalty": body.frequency_penalty != 0,
-        "logit_bias": bool(body.logit_bias),
+    asked: dict[str, bool] = {
+        "use_beam_search": body.use_beam_search,
+        "length_penalty": body.length_penalty != 1,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "skip_special_tokens": not body.skip_special_tokens,
+        "spaces_between_special_tokens": not body.spaces_between_special_tokens,
+        "truncate_prompt_tokens": body.truncate_prompt_tokens is not None,
+        "prompt_logprobs": body.prompt_logprobs is not None,
+        "priority": body.priority != 0,
+        "logits_processors": body.logits_processors is not None,
+        "return_tokens_as_token_ids": body.return_tokens_as_token_ids,
+        "cache_salt": body.cache_salt is not None,
+        "kv_transfer_params": body.kv_transfer_params is not None,
+        "vllm_xargs": body.vllm_xargs is not None,
+        "guided_whitespace_pattern": body.guided_whitespace_pattern is not None,
     }
+    so = body.structured_outputs
+    if so is not None:
+        asked |= {
+            "structured_outputs.structural_tag": so.structural_tag is not None,
+            "structured_outputs.whitespace_pattern": so.whitespace_pattern is not None,
+        }
     if isinstance(body, CompletionRequest):
         asked |= {
-            "echo": body.echo,
+            "echo": body.echo and body.logprobs is not None,
             "suffix": body.suffix is not None,
             "best_of": body.best_of is not None and body.best_of != body.n,
         }
     if isinstance(body, ChatRequest):
-        asked |= {"tools": bool(body.tools)}
+        asked |= {
+            "continue_final_message": body.continue_final_message,
+            "chat_template": body.chat_template is not None,
+            "documents": body.documents is not None,
+            "mm_processor_kwargs": body.mm_processor_kwargs is not None,
+            "echo": body.echo,
+        }
     return [name for name, on in asked.items() if on]
 
 

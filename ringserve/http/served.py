@@ -15,6 +15,7 @@ from ringserve.engine.conductor import Conductor
 from ringserve.http.errors import ApiError
 from ringserve.http.options import HttpOptions
 from ringserve.http.responses import MemoryPlan
+from ringserve.http.tools import ToolParser, make_parser
 from ringserve.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "ringserve"
@@ -39,6 +40,7 @@ class ServedModel:
         plan: dict[str, Any] | None,
         model_dir: Path | None,
     ) -> ServedModel:
+        make_parser(options.tool_call_parser)  # an unknown parser fails the start
         name = options.model_name or (model_dir.name if model_dir is not None else None)
         # Rank 0's stage is the first one, which holds the embedding: the
         # model's config there bounds the token ids it can take.
@@ -46,6 +48,13 @@ class ServedModel:
         # Checked once here, so /v1/plan answers what its schema says.
         memory = None if plan is None else msgspec.convert(plan, MemoryPlan)
         return cls(conductor, options, name or DEFAULT_MODEL_NAME, int(time.time()), vocab, memory)
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        """The parser of `tool_choice: auto` answers; None unless enabled."""
+        if not self.options.enable_auto_tool_choice:
+            return None
+        return make_parser(self.options.tool_call_parser)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

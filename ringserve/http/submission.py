@@ -29,6 +29,10 @@ log = structlog.get_logger(__name__)
 WATCH_INTERVAL_S = 0.1
 
 
+# Fields whose token ids the desk checks against the vocabulary.
+_PARAMS_CHECKED_AT_SUBMIT = frozenset({"logit_bias", "allowed_token_ids", "bad_words"})
+
+
 class Submission:
     """`len(prompts) * len(params)` choices; choice `p * len(params) + i` is
     prompt p sampled with params[i]. Invariant: once closed, every one of
@@ -42,18 +46,29 @@ class Submission:
         *,
         request: web.BaseRequest | None = None,
         prompt_param: str = "prompt",
+        grammar_param: str = "structured_outputs",
     ) -> None:
         self.conductor = conductor
         self.prompts = prompts
         self.params = params
         self.request = request
         self.prompt_param = prompt_param
+        self.grammar_param = grammar_param
         self.handles: list[RequestHandle] = []
         self._watcher: asyncio.Task | None = None
 
     async def __aenter__(self) -> Submission:
+        await self.prepare()
         self.start()
         return self
+
+    async def prepare(self) -> None:
+        """Compile the choices' grammars off the event loop (cached); a 400
+        naming the field when one cannot compile."""
+        try:
+            await self.conductor.prepare(self.params)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=self.grammar_param) from None
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
@@ -73,7 +88,9 @@ class Submission:
                     self.handles.append(self.conductor.submit(prompt, sp))
         except ValueError as exc:
             self.abort()
-            raise bad_request(str(exc), param=self.prompt_param) from None
+            first = str(exc).split(" ", 1)[0]
+            param = first if first in _PARAMS_CHECKED_AT_SUBMIT else self.prompt_param
+            raise bad_request(str(exc), param=param) from None
         except QueueFull as exc:
             self.abort()
             raise rate_limited(exc) from None

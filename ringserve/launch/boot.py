@@ -15,6 +15,7 @@ from ringserve.cache.host_pool import HostPool
 from ringserve.cache.pool import KVPool
 from ringserve.cache.tiers import prefix_cache
 from ringserve.config import EngineConfig, resolve_dtype
+from ringserve.engine.grammar import mask_words
 from ringserve.engine.runner import Runner
 from ringserve.engine.stage import FaultyStage, Stage
 from ringserve.launch.progress import LoadProgress
@@ -70,16 +71,23 @@ def report_loaded(stage: Stage) -> None:
 
 
 def hidden_announcement(config: EngineConfig, cfg: ModelConfig) -> Expectation:
-    """What a Decision announces on every link: the one tensor of hidden
-    states its pass's Hidden carries, `(tokens, hidden_size)` in the serving
-    dtype, so the receiver posts its receive before the Hidden arrives."""
+    """What a Decision announces on every link: the tensor of hidden states
+    its pass's Hidden carries, `(tokens, hidden_size)` in the serving dtype,
+    and, when entries are masked, their packed grammar masks `(masked,
+    words)` int32, so the receiver posts its receives before the Hidden
+    arrives."""
     dtype = TORCH_DTYPES[resolve_dtype(config.dtype, cfg.torch_dtype)]
+    words = mask_words(cfg.vocab_size)
 
     def expect(msg: Message) -> list[TensorSpec]:
         if not isinstance(msg, Decision):
             return []
         tokens = sum(len(e.tokens) for e in msg.entries)
-        return [TensorSpec(dtype, (tokens, cfg.hidden_size))] if tokens else []
+        if not tokens:
+            return []
+        masked = sum(e.masked for e in msg.entries)
+        masks = [TensorSpec(torch.int32, (masked, words))] if masked else []
+        return [TensorSpec(dtype, (tokens, cfg.hidden_size)), *masks]
 
     return expect
 

@@ -108,6 +108,7 @@ class LocalRing:
             if conductor.failure is None:
                 await ends.recv.close(timeout_s=5.0)
         conductor.executor.shutdown(wait=True)
+        conductor.mask_executor.shutdown(wait=True)
 
     async def _watch_children(self, conductor: Conductor) -> None:
         while True:
@@ -140,6 +141,7 @@ class LocalRing:
         queue is at its bound (the offline caller is not refused)."""
         handles: list[RequestHandle] = []
         results: list[asyncio.Task[RequestOutput]] = []
+        await self.conductor.prepare(params)
         try:
             for p, sp in zip(prompts, params, strict=True):
                 while True:

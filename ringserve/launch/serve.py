@@ -11,6 +11,7 @@ import structlog
 from ringserve.config import EngineConfig, layer_range
 from ringserve.engine.conductor import Conductor
 from ringserve.engine.desk import RequestDesk
+from ringserve.engine.grammar import Grammars, StructuredOutputsConfig
 from ringserve.http.app import create_app
 from ringserve.http.options import HttpOptions
 from ringserve.http.server import serve
@@ -31,6 +32,13 @@ def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conducto
     layers = range(cfg.num_layers) if world == 1 else layer_range(list(config.layer_split or ()), 0)
     stage = build_stage(config, cfg, layers, rank=0)
     zero = build_rank_zero(config, cfg, world=world)
+    tokenizer_json = config.model_dir / "tokenizer.json"
+    grammars = Grammars(
+        tokenizer_json if tokenizer_json.exists() else None,
+        cfg.vocab_size,
+        sorted(zero.new_request.eos_ids),
+        StructuredOutputsConfig.parse(config.structured_outputs_config),
+    )
     desk = RequestDesk(
         zero.scheduler,
         zero.tokenizer,
@@ -38,6 +46,7 @@ def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conducto
         cfg.vocab_size,
         max_waiting=config.waiting_limit,
         queue_timeout_s=config.queue_timeout_s,
+        grammars=grammars,
     )
     return Conductor(
         zero.scheduler,
@@ -72,6 +81,7 @@ async def run_rank_zero(
         if conductor.failure is None:
             await ends.recv.close(timeout_s=5.0)
     conductor.executor.shutdown(wait=False, cancel_futures=True)
+    conductor.mask_executor.shutdown(wait=False, cancel_futures=True)
     code = 0
     if conductor.failure is not None:
         log.error("server.stopped", reason=reason)

@@ -28,18 +28,25 @@ from ringserve.models.builtin_text import CORPUS
 log = structlog.get_logger(__name__)
 
 # Bump whenever anything below changes what is generated.
-BUILTIN_VERSION = "builtin-llama-v1"
+BUILTIN_VERSION = "builtin-llama-v2"  # v2: a chat template with tools, in the Hermes manner
 SEED = 1234
 BOS, EOS, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)  # ids 0..3 in that order
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unknown role ' + message['role']) }}"
     "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>' + ({'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson) + '</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -51,8 +51,9 @@ class _Rerun:
         }
 
     def _arrival(self, e: Event) -> None:
-        params = msgspec.convert(e["params"], SamplingParams)
-        spec = msgspec.structs.replace(sampling_spec(params), seed=e["seed"])
+        params = msgspec.convert(e["params"], SamplingParams, str_keys=True)
+        spec = sampling_spec(params, len(e["prompt"]), self.eos_ids)
+        spec = msgspec.structs.replace(spec, seed=e["seed"])
         req = Request(e["req_id"], list(e["prompt"]), params, spec, self.eos_ids)
         self.scheduler.add(req)
         self.summary.arrivals += 1

@@ -23,14 +23,40 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    # Logits processing (engine/logits.py); the defaults change nothing.
+    # `prompt_len` tells the output apart from the prompt in a row's tokens;
+    # `min_tokens_banned` are the ids (EOS, stop ids) banned while fewer than
+    # `min_tokens` tokens were generated.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] | None = None
+    min_tokens: int = 0
+    min_tokens_banned: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[list[int]] | None = None
+    prompt_len: int = 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampling rank needs the row's tokens, not just its length."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or self.bad_words is not None
+        )
 
 
 class NewRequest(msgspec.Struct, frozen=True):
     """A request entering the replicated request table (or re-entering it
-    after a retraction: an upsert)."""
+    after a retraction: an upsert). `history` is given when the sampling
+    needs the row's tokens: those of the reused prefix, which its entries do
+    not carry (later entries extend it as they extend the slots)."""
 
     req_id: int
     sampling: SamplingSpec
+    history: list[int] | None = None
 
 
 class Entry(msgspec.Struct, frozen=True):
@@ -40,7 +66,10 @@ class Entry(msgspec.Struct, frozen=True):
     Self-describing so a replica never has to remember a rolled-back pass:
     when `reuse` is given the row becomes `reuse` (a cached prefix, `start`
     slots long), otherwise the row is cut to `start` slots; then `slots` are
-    appended. `sample` says whether the last token's logits are sampled."""
+    appended. `sample` says whether the last token's logits are sampled;
+    `masked` that they are sampled under a grammar mask, which rank 0 fills
+    and the pass's Hidden carries beside the hidden states (one packed row
+    per masked entry, in entry order)."""
 
     req_id: int
     start: int
@@ -48,6 +77,7 @@ class Entry(msgspec.Struct, frozen=True):
     slots: list[int]
     sample: bool
     reuse: list[int] | None = None
+    masked: bool = False
 
 
 class TierCopy(msgspec.Struct, frozen=True):

@@ -53,7 +53,8 @@ class Admission:
             self.table.start(req)
             req.row = list(reuse)
             req.cached_tokens = max(req.cached_tokens, len(reuse))
-            draft.admitted.append(NewRequest(req.req_id, req.spec))
+            history = req.tokens[: len(reuse)] if req.spec.needs_history else None
+            draft.admitted.append(NewRequest(req.req_id, req.spec, history))
             draft.add(req, slots, reuse)
 
     def _prefix_pending(self, req: Request, cached: int) -> bool:

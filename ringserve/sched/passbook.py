@@ -45,7 +45,8 @@ class Draft:
         start = len(req.row)
         tokens = req.tokens[start : start + len(slots)]
         sample = len(slots) == req.pending
-        self.entries.append(Entry(req.req_id, start, tokens, slots, sample, reuse))
+        masked = sample and req.params.structured_outputs is not None
+        self.entries.append(Entry(req.req_id, start, tokens, slots, sample, reuse, masked))
         self.reqs.append(req)
         self.budget -= len(slots)
         req.row.extend(slots)

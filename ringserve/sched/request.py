@@ -71,7 +71,9 @@ class Request:
         return None
 
 
-def sampling_spec(params: SamplingParams) -> SamplingSpec:
+def sampling_spec(
+    params: SamplingParams, prompt_len: int = 0, eos_ids: frozenset[int] = frozenset()
+) -> SamplingSpec:
     """The last rank's view of a request's sampling; rank 0 fixes the seed."""
     return SamplingSpec(
         temperature=0.0 if params.greedy else params.temperature,
@@ -80,7 +82,29 @@ def sampling_spec(params: SamplingParams) -> SamplingSpec:
         min_p=params.min_p,
         seed=params.seed if params.seed is not None else secrets.randbits(62),
         logprobs=params.logprobs,
+        **_processing(params, prompt_len, eos_ids),
     )
+
+
+def _processing(params: SamplingParams, prompt_len: int, eos_ids: frozenset[int]) -> dict:
+    """The logits-processing fields of the spec, left at their defaults
+    (so off the wire) when the request asks for none."""
+    if not params.penalized:
+        return {}
+    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    bias = params.logit_bias
+    allowed = params.allowed_token_ids
+    return {
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "logit_bias": sorted(bias.items()) if bias else None,
+        "min_tokens": params.min_tokens,
+        "min_tokens_banned": sorted(banned) if params.min_tokens and banned else None,
+        "allowed_token_ids": sorted(set(allowed)) if allowed is not None else None,
+        "bad_words": [list(w) for w in params.bad_words_token_ids] or None,
+        "prompt_len": prompt_len,
+    }
 
 
 class RequestFactory:
@@ -91,6 +115,7 @@ class RequestFactory:
         self.next_id = 0
 
     def __call__(self, prompt: list[int], params: SamplingParams) -> Request:
-        req = Request(self.next_id, list(prompt), params, sampling_spec(params), self.eos_ids)
+        spec = sampling_spec(params, len(prompt), self.eos_ids)
+        req = Request(self.next_id, list(prompt), params, spec, self.eos_ids)
         self.next_id += 1
         return req

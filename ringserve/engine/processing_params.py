@@ -1,0 +1,46 @@
+"""Rank 0's part of logits processing: checking a request's token ids
+against the vocabulary and turning its `bad_words` into token ids, before
+the request is numbered (so the scheduler, its log and its re-run see the
+ids, never the tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ringserve.models.tokenizer import Tokenizer
+from ringserve.params import SamplingParams
+
+
+def processing_params(
+    params: SamplingParams, tokenizer: Tokenizer | None, vocab_size: int
+) -> SamplingParams:
+    """`params` checked, with `bad_words_token_ids` filled in; ValueError
+    naming the field otherwise."""
+    for name, ids in (
+        ("logit_bias", list(params.logit_bias or ())),
+        ("allowed_token_ids", list(params.allowed_token_ids or ())),
+    ):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"{name} names token id {bad}, outside the vocabulary of {vocab_size} tokens"
+            )
+    if not params.bad_words or params.bad_words_token_ids:
+        return params
+    if tokenizer is None:
+        raise ValueError("bad_words needs a tokenizer: this model has none")
+    return dataclasses.replace(
+        params, bad_words_token_ids=bad_word_ids(params.bad_words, tokenizer)
+    )
+
+
+def bad_word_ids(words: tuple[str, ...], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each word's tokens as written and after a space, as vLLM bans both
+    (the second only when it differs from the first)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
