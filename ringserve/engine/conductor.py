@@ -197,7 +197,11 @@ class Conductor:
         if isinstance(msg, Output):
             if self._trace:
                 log.debug(
-                    "pass.output", pass_id=msg.pass_id, tokens=msg.tokens, fallbacks=msg.fallbacks
+                    "pass.output",
+                    pass_id=msg.pass_id,
+                    tokens=msg.tokens,
+                    fallbacks=msg.fallbacks,
+                    accepted=msg.accepted,
                 )
             touched = self.scheduler.on_output(msg)
             self.metrics.passes += 1

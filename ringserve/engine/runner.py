@@ -8,6 +8,7 @@ import torch
 from ringserve.cache.pool import KVPool
 from ringserve.engine.replica import Row
 from ringserve.engine.sampler import Sampler
+from ringserve.engine.verify import Verification, Verifier
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.ring.messages import Decision, Output
 
@@ -31,6 +32,7 @@ class Runner:
         self.first = layers.start == 0
         self.last = layers.stop == num_layers
         self.sampler = Sampler()
+        self.verifier = Verifier(self.sampler)
 
     def batch(self, decision: Decision, rows: list[Row]) -> ForwardBatch:
         entries = decision.entries
@@ -81,8 +83,25 @@ class Runner:
     def sample(
         self, decision: Decision, rows: list[Row], batch: ForwardBatch, hidden: torch.Tensor
     ) -> Output:
+        if any(e.draft for e in decision.entries):
+            return self._verify(decision, rows, hidden)
         logits = self.model.logits(hidden[batch.sample_rows])
         picked = [(e, r) for e, r in zip(decision.entries, rows, strict=True) if e.sample]
         specs = [r.sampling for _, r in picked]
         positions = [e.start + len(e.tokens) for e, _ in picked]
         return self.sampler(decision.pass_id, logits, specs, positions)
+
+    def _verify(self, decision: Decision, rows: list[Row], hidden: torch.Tensor) -> Output:
+        """A pass with verification rows: logits at every speculative
+        position (and the last of every other sampled entry)."""
+        picked, checks, end = [], [], 0
+        for e, r in zip(decision.entries, rows, strict=True):
+            end += len(e.tokens)
+            if e.sample:
+                picked += range(end - e.draft - 1, end)
+                position = e.start + len(e.tokens) - e.draft
+                checks.append(
+                    Verification(r.sampling, position, e.tokens[len(e.tokens) - e.draft :])
+                )
+        idx = torch.tensor(picked, dtype=torch.int64, device=hidden.device)
+        return self.verifier(decision.pass_id, self.model.logits(hidden[idx]), checks)

@@ -81,7 +81,12 @@ class _Rerun:
         return None
 
     def _output(self, e: Event) -> None:
-        out = Output(e["pass_id"], list(e["tokens"]), fallbacks=e.get("fallbacks", 0))
+        out = Output(
+            e["pass_id"],
+            list(e["tokens"]),
+            fallbacks=e.get("fallbacks", 0),
+            accepted=e.get("accepted"),
+        )
         self.scheduler.on_output(out)
         self.summary.terminals += 1
 

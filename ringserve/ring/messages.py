@@ -40,7 +40,11 @@ class Entry(msgspec.Struct, frozen=True):
     Self-describing so a replica never has to remember a rolled-back pass:
     when `reuse` is given the row becomes `reuse` (a cached prefix, `start`
     slots long), otherwise the row is cut to `start` slots; then `slots` are
-    appended. `sample` says whether the last token's logits are sampled."""
+    appended. `sample` says whether the last token's logits are sampled.
+
+    A verification row ends in `draft` speculative tokens (`tokens` is then
+    [last token, p1..pk] for a decode step): the last `draft + 1` positions
+    are all sampled, and the Output says how many tokens the row yields."""
 
     req_id: int
     start: int
@@ -48,6 +52,7 @@ class Entry(msgspec.Struct, frozen=True):
     slots: list[int]
     sample: bool
     reuse: list[int] | None = None
+    draft: int = 0
 
 
 class Decision(msgspec.Struct, frozen=True, tag="decision"):
@@ -77,13 +82,17 @@ class TopLogprobs(msgspec.Struct, frozen=True):
 
 
 class Output(msgspec.Struct, frozen=True, tag="output"):
-    """Sampled tokens of one pass, one per sampled entry, in entry order."""
+    """Sampled tokens of one pass, in entry order: one per sampled entry, or,
+    when `accepted` is given, `accepted[i]` tokens for the i-th sampled entry
+    (the verified prefix of its speculative tokens and one more token);
+    `logprobs` and `top_logprobs` follow `tokens`."""
 
     pass_id: int
     tokens: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     fallbacks: int = 0
+    accepted: list[int] | None = None
 
 
 class Void(msgspec.Struct, frozen=True, tag="void"):

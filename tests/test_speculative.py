@@ -1,0 +1,130 @@
+"""Speculative decoding with prompt-lookup proposals: greedy outputs equal
+transformers token for token (pp 1 and pp 3, prefix reuse, chunked prefill,
+a tight KV pool, voided passes), the rejected slots come back, the log
+replays exactly, and the proposer finds what it should."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ringserve import LLM, SamplingParams
+from ringserve.config import EngineConfig, speculative_options
+from ringserve.replay import replay
+from ringserve.sched.ngram import NgramIndex
+from tests import model_factory
+from tests.workloads import hf_greedy
+
+NEW_TOKENS = 20
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+SPEC = dict(speculative="ngram", num_speculative_tokens=4, ngram_max=3, ngram_min=1)
+ENGINE = dict(chunk_size=16, max_tokens_per_pass=48, kv_capacity_tokens=512, **SPEC)
+
+
+def copying_prompts(hf, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that hold a text the model wrote and then begin it again (so
+    the answer mostly repeats it), sharing a prefix, one long enough to be
+    chunked, and one plain random prompt."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(2, vocab) for _ in range(24)]
+    prompts = []
+    for n in (3, 6, 40):
+        text = hf_greedy(hf, [rng.randrange(2, vocab) for _ in range(n)], 24)
+        prompts.append(shared + text + [rng.randrange(2, vocab)] + text[:2])
+    prompts.append([rng.randrange(2, vocab) for _ in range(9)])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory):
+    path = model_factory.llama_copy(tmp_path_factory.mktemp("copy"), layers=3, embed_std=0.015)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = copying_prompts(hf, hf.config.vocab_size)
+    return path, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+def assert_clean(llm: LLM) -> None:
+    sched = llm._ring.conductor.scheduler
+    census = sched.census()
+    assert census.held_by_running == 0 and census.cached_locked == 0
+    assert census.free + census.cached_unlocked == census.capacity - 1
+
+
+def test_greedy_with_ngram_speculation_equals_transformers(copier):
+    path, prompts, expected = copier
+    with LLM(path, **ENGINE) as llm:
+        first = llm.generate(prompts, GREEDY)
+        again = llm.generate(prompts, GREEDY)
+        stats = llm._ring.conductor.scheduler.speculation.stats
+        assert_clean(llm)
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in again] == expected
+    assert any(o.cached_tokens >= 16 for o in first), "the shared prefix was never reused"
+    assert stats.accepted > 0 and stats.freed > 0, stats  # both outcomes ran
+    assert stats.accepted_at[1] > 0, "no verification accepted two proposals"
+
+
+@pytest.mark.timeout(240)
+def test_ring_of_three_with_voids_equals_transformers_and_replays(copier, tmp_path, monkeypatch):
+    path, prompts, expected = copier
+    monkeypatch.setenv("RINGSERVE_FAULTS", "void:rank=1:every=7")
+    llm = LLM(path, pp_size=3, log_dir=str(tmp_path), **ENGINE)
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        sched = llm._ring.conductor.scheduler
+        assert sched.voids >= 2 and sched.speculation.stats.accepted > 0
+        assert_clean(llm)
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == expected
+    report = replay(tmp_path)
+    assert report.consistent, report.render()
+    assert report.rerun.reproduced and report.rerun.decisions == report.passes
+
+
+def test_stop_token_inside_accepted_tokens_ends_the_request_there(copier):
+    path, prompts, expected = copier
+    stop = expected[0][NEW_TOKENS // 2]
+    cut = expected[0].index(stop) + 1
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0, stop_token_ids=[stop], ignore_eos=True
+    )
+    with LLM(path, **ENGINE) as llm:
+        out = llm.generate(prompts[0], params)[0]
+        assert_clean(llm)
+    assert out.token_ids == expected[0][:cut] and out.finish_reason == "stop"
+
+
+def test_ngram_proposes_what_followed_the_longest_newest_match():
+    index = NgramIndex()
+    history = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
+    # [6, 7] occurs twice before the end; the newest wins: 2, 3 followed it
+    assert index.propose(history, 3, 2, 3) == [2, 3, 6]
+    # a longer match beats a newer one: [8, 6, 7] matches only at 1..3? no:
+    history = [8, 6, 7, 4, 4, 1, 6, 7, 5, 0, 8, 6, 7]
+    assert index.propose(history, 3, 1, 2) == [4, 4]
+    assert index.propose([1, 2, 3, 4], 3, 1, 2) == []  # nothing recurs
+    assert index.propose([9, 9, 9], 3, 3, 2) == []  # too short to match 3
+    assert index.propose([1, 2, 1, 2], 2, 2, 4) == [1, 2]  # ends at the history's end
+
+
+def test_vllm_speculative_config_maps_onto_engine_options(tmp_path):
+    options = speculative_options(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 5,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    )
+    config = EngineConfig(model_dir=tmp_path, **options)
+    assert config.speculative_tokens == 5 and (config.ngram_max, config.ngram_min) == (4, 2)
+    with pytest.raises(ValueError, match="unknown keys"):
+        speculative_options({"method": "ngram", "lookahead": 3})
+    with pytest.raises(ValueError, match="ngram_min"):
+        EngineConfig(model_dir=tmp_path, speculative="ngram", ngram_min=5, ngram_max=2)
+    with pytest.raises(ValueError, match="speculative must be"):
+        EngineConfig(model_dir=tmp_path, speculative="medusa")
