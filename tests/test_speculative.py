@@ -99,16 +99,23 @@ def test_stop_token_inside_accepted_tokens_ends_the_request_there(copier):
 
 
 def test_ngram_proposes_what_followed_the_longest_newest_match():
-    index = NgramIndex()
-    history = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
+    def propose(history, n_max, n_min, k):
+        return NgramIndex().propose(history, n_max, n_min, k)
+
     # [6, 7] occurs twice before the end; the newest wins: 2, 3 followed it
-    assert index.propose(history, 3, 2, 3) == [2, 3, 6]
-    # a longer match beats a newer one: [8, 6, 7] matches only at 1..3? no:
-    history = [8, 6, 7, 4, 4, 1, 6, 7, 5, 0, 8, 6, 7]
-    assert index.propose(history, 3, 1, 2) == [4, 4]
-    assert index.propose([1, 2, 3, 4], 3, 1, 2) == []  # nothing recurs
-    assert index.propose([9, 9, 9], 3, 3, 2) == []  # too short to match 3
-    assert index.propose([1, 2, 1, 2], 2, 2, 4) == [1, 2]  # ends at the history's end
+    assert propose([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7], 3, 2, 3) == [2, 3, 6]
+    # a longer match ([8, 6, 7]) beats a newer, shorter one ([6, 7])
+    assert propose([8, 6, 7, 4, 4, 1, 6, 7, 5, 0, 8, 6, 7], 3, 1, 2) == [4, 4]
+    assert propose([1, 2, 3, 4], 3, 1, 2) == []  # nothing recurs
+    assert propose([9, 9, 9], 3, 3, 2) == []  # too short to match 3
+    assert propose([1, 2, 1, 2], 2, 2, 4) == [1, 2]  # the continuation ends at the end
+
+
+def test_ngram_index_grows_with_the_history():
+    index, history = NgramIndex(), [4, 5, 6]
+    assert index.propose(history, 2, 1, 2) == []
+    history += [4, 5]
+    assert index.propose(history, 2, 1, 2) == [6, 4]
 
 
 def test_vllm_speculative_config_maps_onto_engine_options(tmp_path):
