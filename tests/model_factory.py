@@ -191,6 +191,7 @@ def copy_100m(tmp: Path) -> Path:
         layers=8,
         heads=16,
         kv_heads=8,
+        embed_std=0.15,  # the layers still move the logits: about 97% of steps follow
         seed=15,
     )
 

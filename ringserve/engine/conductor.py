@@ -95,6 +95,7 @@ class Conductor:
                 self.health.suspicions,
                 "waits that exceeded the wedge timeout",
             ),
+            **self.scheduler.speculation.counters(),
         }
 
     def submit(

@@ -79,7 +79,9 @@ class Metrics:
         }
         lines: list[str] = []
         for name, (value, text) in counters.items():
-            lines += [f"# HELP ringserve_{name} {text}", f"# TYPE ringserve_{name} counter"]
+            base = name.split("{", 1)[0]  # a labelled sample: its family is described once
+            if f"# TYPE ringserve_{base} counter" not in lines:
+                lines += [f"# HELP ringserve_{base} {text}", f"# TYPE ringserve_{base} counter"]
             lines.append(f"ringserve_{name} {value}")
         for name, (value, text) in gauges.items():
             lines += [f"# HELP ringserve_{name} {text}", f"# TYPE ringserve_{name} gauge"]

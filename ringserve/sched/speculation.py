@@ -128,5 +128,22 @@ class Speculator:
             state.backoff = min(MAX_COOLDOWN, 2 * state.backoff or 1)
             state.cooldown = state.backoff
 
+    def counters(self) -> dict[str, tuple[float, str]]:
+        """For /metrics (name -> (value, help)); none while speculation is off."""
+        if not self.on:
+            return {}
+        s = self.stats
+        out = {
+            "spec_verifications_total": (s.verifications, "decode steps that verified proposals"),
+            "spec_proposed_tokens_total": (s.proposed, "speculative tokens proposed"),
+            "spec_accepted_tokens_total": (s.accepted, "speculative tokens the target accepted"),
+            "spec_freed_slots_total": (s.freed, "KV slots of rejected positions freed"),
+        }
+        for what, counts in (("proposed", s.proposed_at), ("accepted", s.accepted_at)):
+            for j in range(self.max_k):  # a family's samples stay together
+                name = f'spec_{what}_at_position_total{{position="{j + 1}"}}'
+                out[name] = (counts[j], f"verifications whose proposal at a position was {what}")
+        return out
+
     def forget(self, req_id: int) -> None:
         self.lookahead.pop(req_id, None)
