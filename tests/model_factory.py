@@ -191,7 +191,7 @@ def copy_100m(tmp: Path) -> Path:
         layers=8,
         heads=16,
         kv_heads=8,
-        embed_std=0.15,  # the layers still move the logits: about 97% of steps follow
+        embed_std=0.2,  # the layers still move some logits: not every step follows
         seed=15,
     )
 
