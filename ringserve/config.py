@@ -86,10 +86,8 @@ class EngineConfig:
             raise ValueError(
                 f"speculative must be one of {list(SPECULATIVE_METHODS)}, not {self.speculative!r}"
             )
-        if self.speculative == "draft":
-            if self.draft_model is None:
-                raise ValueError("speculative 'draft' needs draft_model (a model directory)")
-            raise ValueError("speculative 'draft' is not available yet: use 'ngram'")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative 'draft' needs draft_model (a model directory)")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in 1..16")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -147,8 +147,11 @@ def llama_copy(
     kv_heads: int = 2,
     embed_std: float = 1.0,
     seed: int = 16,
+    scramble: float = 0.0,
 ) -> Path:
-    """A Llama that mostly continues a token with its fixed successor (see above)."""
+    """A Llama that mostly continues a token with its fixed successor (see
+    above); `scramble` of the tokens get another successor (a draft that
+    disagrees with its target that often)."""
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -170,7 +173,13 @@ def llama_copy(
         embed = model.get_input_embeddings().weight
         embed.normal_(0.0, embed_std)
         unit = embed / embed.norm(dim=-1, keepdim=True)
-        successor = torch.randperm(vocab)
+        # the successor map depends on the seed and the vocabulary only, so a
+        # smaller model of the same seed (a draft) continues text the same way
+        successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+        if scramble > 0:
+            other = torch.Generator().manual_seed(seed + 1)
+            moved = torch.rand(vocab, generator=other) < scramble
+            successor[moved] = successor[moved][torch.randperm(int(moved.sum()), generator=other)]
         head = model.get_output_embeddings().weight
         head.zero_()
         head[successor] = unit * (4.0 * hidden**0.5)
@@ -197,7 +206,8 @@ def copy_100m(tmp: Path) -> Path:
 
 
 def copy_draft(tmp: Path) -> Path:
-    """A small model of `copy_100m`'s vocabulary (2 layers, hidden 256)."""
+    """A draft for `copy_100m`: its vocabulary and successor map, 2 layers
+    of hidden 256 (about 5M parameters, most of them the embeddings)."""
     return llama_copy(
         tmp,
         "copy_draft",
@@ -207,6 +217,7 @@ def copy_draft(tmp: Path) -> Path:
         layers=2,
         heads=4,
         kv_heads=2,
+        embed_std=0.2,
         seed=15,
     )
 

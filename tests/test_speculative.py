@@ -85,6 +85,36 @@ def test_ring_of_three_with_voids_equals_transformers_and_replays(copier, tmp_pa
     assert report.rerun.reproduced and report.rerun.decisions == report.passes
 
 
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A smaller model of the copier's vocabulary and successor map."""
+    tmp = tmp_path_factory.mktemp("draft")
+    return model_factory.llama_copy(
+        tmp, "draft", hidden=32, intermediate=64, layers=1, heads=2, kv_heads=1, scramble=0.3
+    )
+
+
+@pytest.mark.parametrize("pp_size", [1, 3])
+def test_greedy_with_a_draft_model_equals_transformers(copier, draft_dir, tmp_path, pp_size):
+    path, prompts, expected = copier
+    options = dict(ENGINE, speculative="draft", draft_model=str(draft_dir))
+    llm = LLM(path, pp_size=pp_size, log_dir=str(tmp_path), **options)
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        sched = llm._ring.conductor.scheduler
+        stats = sched.speculation.stats
+        assert stats.accepted > 0 and stats.freed > 0, stats
+        assert_clean(llm)
+        drafter = llm._ring.conductor.drafter
+        assert not drafter.rows and drafter.allocator.available == drafter.pool.capacity - 1
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == expected
+    report = replay(tmp_path)
+    assert report.consistent, report.render()
+    assert report.rerun.reproduced and report.rerun.decisions == report.passes
+
+
 def test_stop_token_inside_accepted_tokens_ends_the_request_there(copier):
     path, prompts, expected = copier
     stop = expected[0][NEW_TOKENS // 2]

@@ -27,6 +27,7 @@ INPUTS = (
     "pass.output",
     "pass.void",
     "request.abort",
+    "spec.offer",
 )
 
 
@@ -47,6 +48,7 @@ class _Rerun:
             "pass.output": self._output,
             "pass.void": self._void,
             "request.abort": self._abort,
+            "spec.offer": self._offer,
         }
 
     def _arrival(self, e: Event) -> None:
@@ -93,6 +95,9 @@ class _Rerun:
     def _void(self, e: Event) -> None:
         self.scheduler.on_void(Void(e["pass_id"], e["void_rank"], e["reason"]))
         self.summary.terminals += 1
+
+    def _offer(self, e: Event) -> None:
+        self.scheduler.speculation.offer(e["req_id"], e["at"], list(e["tokens"]))
 
     def _abort(self, e: Event) -> None:
         self.scheduler.abort(e["req_id"], e["reason"])

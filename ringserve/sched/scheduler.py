@@ -43,6 +43,7 @@ class SchedulerConfig:
     ngram_max: int = 4
     ngram_min: int = 2
     speculative_adaptive: bool = True
+    speculative_method: str = "ngram"  # or "draft": proposals offered by rank 0's draft model
 
     def __post_init__(self) -> None:
         if min(self.max_tokens_per_pass, self.chunk_size, self.max_batch) < 1:
@@ -67,6 +68,7 @@ class SchedulerConfig:
             ngram_max=config.ngram_max,
             ngram_min=config.ngram_min,
             speculative_adaptive=config.speculative_adaptive,
+            speculative_method=config.speculative or "ngram",
         )
 
 
@@ -94,6 +96,7 @@ class Scheduler:
             config.ngram_max,
             config.ngram_min,
             config.speculative_adaptive,
+            config.speculative_method,
         )
         self.voids = 0
         self.fallbacks = 0

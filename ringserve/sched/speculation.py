@@ -54,28 +54,58 @@ class Speculator:
     """Invariant: `lookahead` holds exactly the requests that proposed and
     have not been forgotten; k stays in 1..max_k."""
 
-    def __init__(self, max_k: int, ngram_max: int, ngram_min: int, adaptive: bool) -> None:
+    def __init__(
+        self, max_k: int, ngram_max: int, ngram_min: int, adaptive: bool, method: str = "ngram"
+    ) -> None:
         self.max_k = max_k
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.adaptive = adaptive
+        self.method = method
         self.lookahead: dict[int, Lookahead] = {}
+        # a draft model's proposals, by request: (history length they follow, tokens)
+        self.offers: dict[int, tuple[int, list[int]]] = {}
         self.stats = SpecStats(proposed_at=[0] * max_k, accepted_at=[0] * max_k)
 
     @property
     def on(self) -> bool:
         return self.max_k > 0
 
+    def _state(self, req_id: int) -> Lookahead:
+        state = self.lookahead.get(req_id)
+        if state is None:
+            state = self.lookahead[req_id] = Lookahead(self.max_k)
+        return state
+
     def propose(self, req: Request, room: int) -> list[int]:
         """Tokens a decode step of `req` carries after its last token, at
         most `room` of them."""
-        state = self.lookahead.get(req.req_id)
-        if state is None:
-            state = self.lookahead[req.req_id] = Lookahead(self.max_k)
+        state = self._state(req.req_id)
         if state.cooldown > 0:
             state.cooldown -= 1
             return []
         k = min(state.k, room)
+        if self.method == "draft":
+            at, tokens = self.offers.pop(req.req_id, (-1, []))
+            return tokens[:k] if at == len(req.prompt) + len(req.output) else []
         return state.index.propose(req.tokens, self.ngram_max, self.ngram_min, k)
+
+    def asks(self, running: list[Request]) -> list[tuple[int, list[int], int]]:
+        """What a draft model should propose for before the next pass:
+        (req_id, history, k) of each idle decoding request that would take
+        proposals and has none for its history."""
+        out = []
+        for req in running:
+            if req.in_flight or req.pending != 1 or not req.output:
+                continue
+            state = self._state(req.req_id)
+            n = len(req.prompt) + len(req.output)
+            if state.cooldown == 0 and self.offers.get(req.req_id, (-1,))[0] != n:
+                out.append((req.req_id, req.tokens, state.k))
+        return out
+
+    def offer(self, req_id: int, at: int, tokens: list[int]) -> None:
+        """A draft model's proposal for request `req_id` after `at` tokens of history."""
+        self.offers[req_id] = (at, list(tokens))
 
     def settle(
         self, pass_id: int, req: Request, entry: Entry, verified: int, kept: int, kv: KVBook
@@ -147,3 +177,4 @@ class Speculator:
 
     def forget(self, req_id: int) -> None:
         self.lookahead.pop(req_id, None)
+        self.offers.pop(req_id, None)
