@@ -11,6 +11,9 @@ editor does with its source text: given a text it wrote, it writes it again.
 * repeating: each prompt is a text of --text-len tokens that the model
   wrote (greedy, from a random 4-token start), a random token, and the
   text's first two tokens: the answer goes on copying the text;
+* edited: the same prompts with one token in 8 of the text replaced by a
+  random one: the answer (the text as the model writes it) departs from the
+  prompt at each changed token, so some proposals fail;
 * fresh: random prompts of the same length; the answer is new text.
 
 For each workload and batch, one engine with `--speculative ngram` and one
@@ -41,6 +44,7 @@ from ringserve import LLM, SamplingParams  # noqa: E402
 from tests.model_factory import copy_100m  # noqa: E402
 
 VOCAB = 8192
+EDIT_EVERY = 8
 
 
 def model_dir(root: Path) -> Path:
@@ -59,17 +63,25 @@ def workloads(llm: LLM, n: int, text_len: int, seed: int) -> dict[str, list[list
     starts = [[rng.randrange(3, VOCAB) for _ in range(4)] for _ in range(n)]
     texts = [o.token_ids for o in llm.generate(starts, greedy(text_len))]
     repeating = [t + [rng.randrange(3, VOCAB)] + t[:2] for t in texts]
+    edited = [[*p] for p in repeating]
+    for p in edited:  # one token in 8 of the given text changed: the answer departs there
+        for i in range(EDIT_EVERY - 1, len(p) - 3, EDIT_EVERY):
+            p[i] = rng.randrange(3, VOCAB)
     fresh = [[rng.randrange(3, VOCAB) for _ in range(len(p))] for p in repeating]
-    return {"repeating": repeating, "fresh": fresh}
+    return {"repeating": repeating, "edited": edited, "fresh": fresh}
 
 
-def decode(llm: LLM, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
-    """(decode tok/s, outputs): prefill and one token first, untimed."""
+def decode(llm: LLM, prompts: list[list[int]], new: int) -> tuple[float, float, list[list[int]]]:
+    """(decode tok/s of wall time, of this process's CPU time, outputs):
+    prefill and one token first, untimed. With one rank the whole engine
+    runs in this process, so CPU time is what the decode cost, steadier than
+    wall time on a machine shared with other work."""
     llm.generate(prompts, greedy(1))
-    began = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, greedy(1 + new))
-    seconds = time.perf_counter() - began
-    return len(prompts) * new / seconds, [o.token_ids for o in outs]
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    tokens = len(prompts) * new
+    return tokens / wall, tokens / cpu, [o.token_ids for o in outs]
 
 
 def spec_stats(llm: LLM) -> tuple[int, int, int]:
@@ -92,7 +104,7 @@ def main() -> None:
     spec = dict(speculative="ngram", num_speculative_tokens=args.k, ngram_max=4, ngram_min=2)
     print(f"model {path.name}, k {args.k}, {args.new_tokens} new tokens, {args.threads} thread(s)")
     print(f"{'workload':10} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} "
-          f"{'accept':>7} {'per step':>8} {'same':>5}")  # fmt: skip
+          f"{'cpu ratio':>9} {'accept':>7} {'per step':>8} {'same':>5}")  # fmt: skip
     with LLM(path, **common) as off, LLM(path, **common, **spec) as on:
         loads = workloads(off, max(args.batches), args.text_len, seed=1)
         for name, prompts in loads.items():
@@ -102,20 +114,16 @@ def main() -> None:
 
 def row(name: str, b: int, prompts: list[list[int]], off: LLM, on: LLM, args) -> None:
     rates_off, rates_on, same = [], [], True
+    cpu_off, cpu_on = [], []
     before = spec_stats(on)
     for r in range(args.repeats):
         # a fresh batch each repeat (the previous is cached whole), same texts shifted
         batch = [p[r:] for p in prompts[:b]]
-        for engine, rates in (
-            ((off, rates_off), (on, rates_on))
-            if r % 2 == 0
-            else (
-                (on, rates_on),
-                (off, rates_off),
-            )
-        ):
-            rate, outs = decode(engine, batch, args.new_tokens)
+        pair = [(off, rates_off, cpu_off), (on, rates_on, cpu_on)]
+        for engine, rates, cpus in pair if r % 2 == 0 else pair[::-1]:
+            rate, cpu_rate, outs = decode(engine, batch, args.new_tokens)
             rates.append(rate)
+            cpus.append(cpu_rate)
             if engine is off:
                 want = outs
             else:
@@ -128,6 +136,7 @@ def row(name: str, b: int, prompts: list[list[int]], off: LLM, on: LLM, args) ->
     per_step = (accepted + steps) / steps if steps else 1.0
     print(
         f"{name:10} {b:5d} {t_off:10.1f} {t_on:10.1f} {t_on / t_off:6.2f} "
+        f"{statistics.median(cpu_on) / statistics.median(cpu_off):9.2f} "
         f"{accept:7.1%} {per_step:8.2f} {str(same):>5}",
         flush=True,
     )
