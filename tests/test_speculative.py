@@ -72,14 +72,16 @@ def test_ring_of_three_with_voids_equals_transformers_and_replays(copier, tmp_pa
     path, prompts, expected = copier
     monkeypatch.setenv("RINGSERVE_FAULTS", "void:rank=1:every=7")
     llm = LLM(path, pp_size=3, log_dir=str(tmp_path), **ENGINE)
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=5, ignore_eos=True)
     try:
-        outs = llm.generate(prompts, GREEDY)
+        outs = llm.generate(prompts + prompts[:2], [GREEDY] * len(prompts) + [sampled] * 2)
         sched = llm._ring.conductor.scheduler
         assert sched.voids >= 2 and sched.speculation.stats.accepted > 0
         assert_clean(llm)
     finally:
         llm.close()
-    assert [o.token_ids for o in outs] == expected
+    assert [o.token_ids for o in outs[: len(prompts)]] == expected
+    assert all(len(o.token_ids) == NEW_TOKENS for o in outs[len(prompts) :])
     report = replay(tmp_path)
     assert report.consistent, report.render()
     assert report.rerun.reproduced and report.rerun.decisions == report.passes
