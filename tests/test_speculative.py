@@ -167,3 +167,19 @@ def test_vllm_speculative_config_maps_onto_engine_options(tmp_path):
         EngineConfig(model_dir=tmp_path, speculative="ngram", ngram_min=5, ngram_max=2)
     with pytest.raises(ValueError, match="speculative must be"):
         EngineConfig(model_dir=tmp_path, speculative="medusa")
+
+
+def test_launch_options_reach_the_engine_config(tmp_path):
+    from ringserve.cli import _config, main, parser
+
+    def config(*argv: str) -> EngineConfig:
+        return _config(parser().parse_args(["launch", "--model", str(tmp_path), *argv]))
+
+    plain = config("--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "1")
+    assert (plain.speculative, plain.speculative_tokens, plain.ngram_min) == ("ngram", 3, 1)
+    vllm = config("--speculative-config", '{"method": "ngram", "prompt_lookup_max": 5}')
+    assert vllm.speculative == "ngram" and vllm.ngram_max == 5
+    assert not config("--speculative", "ngram", "--no-adaptive-speculation").speculative_adaptive
+    assert config().speculative_tokens == 0
+    assert main(["launch", "--model", str(tmp_path), "--speculative", "draft"]) == 2
+    assert main(["launch", "--model", str(tmp_path), "--speculative-config", "{nope"]) == 2
