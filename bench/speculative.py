@@ -26,6 +26,7 @@ proposed speculative tokens; "per step" = tokens a verification yields.
 Usage:
     PYTHONPATH=. .venv/bin/python bench/speculative.py [--batches 1 4 16]
         [--new-tokens 64] [--text-len 96] [--repeats 2] [--k 4]
+        [--method ngram|draft] [--workloads repeating edited fresh]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ringserve import LLM, SamplingParams  # noqa: E402
-from tests.model_factory import copy_100m  # noqa: E402
+from tests.model_factory import copy_100m, copy_draft  # noqa: E402
 
 VOCAB = 8192
 EDIT_EVERY = 8
@@ -98,16 +99,32 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--method",
+        choices=["ngram", "draft"],
+        default="ngram",
+        help="draft: tests/model_factory.copy_draft (2 layers, hidden 256) proposes",
+    )
+    ap.add_argument("--workloads", nargs="+", default=["repeating", "edited", "fresh"])
     args = ap.parse_args()
     path = model_dir(args.model_dir)
     common = dict(kv_capacity_tokens=16384, torch_threads=args.threads, max_batch=64)
     spec = dict(speculative="ngram", num_speculative_tokens=args.k, ngram_max=4, ngram_min=2)
-    print(f"model {path.name}, k {args.k}, {args.new_tokens} new tokens, {args.threads} thread(s)")
+    if args.method == "draft":
+        draft = args.model_dir / "copy_draft"
+        if not (draft / "config.json").is_file():
+            copy_draft(args.model_dir)
+        spec.update(speculative="draft", draft_model=draft)
+    print(
+        f"model {path.name}, {args.method} k {args.k}, {args.new_tokens} new tokens, "
+        f"{args.threads} thread(s)"
+    )
     print(f"{'workload':10} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} "
           f"{'cpu ratio':>9} {'accept':>7} {'per step':>8} {'same':>5}")  # fmt: skip
     with LLM(path, **common) as off, LLM(path, **common, **spec) as on:
         loads = workloads(off, max(args.batches), args.text_len, seed=1)
-        for name, prompts in loads.items():
+        for name in args.workloads:
+            prompts = loads[name]
             for b in args.batches:
                 row(name, b, prompts, off, on, args)
 
