@@ -183,3 +183,24 @@ def test_launch_options_reach_the_engine_config(tmp_path):
     assert config().speculative_tokens == 0
     assert main(["launch", "--model", str(tmp_path), "--speculative", "draft"]) == 2
     assert main(["launch", "--model", str(tmp_path), "--speculative-config", "{nope"]) == 2
+
+
+def test_a_stop_string_inside_one_pass_of_tokens_ends_the_output_there():
+    """A verification brings several tokens at once; none past the stop
+    string is the request's output (as if they had come one per pass)."""
+    from ringserve.engine.handle import RequestHandle
+    from ringserve.engine.textstream import TextStream
+    from ringserve.models.builtin import builtin_model_dir
+    from ringserve.models.tokenizer import Tokenizer
+    from ringserve.sched.request import RequestFactory
+
+    tok = Tokenizer.from_dir(builtin_model_dir())
+    ids = tok.encode("one two three four five")
+    req = RequestFactory(frozenset())([1], SamplingParams(max_tokens=20, stop=["three"]))
+    handle = RequestHandle(req, TextStream(tok, ("three",)))
+    req.output.extend(ids)  # one pass brought them all
+    delta = handle.take_new_tokens()
+    cut = handle.kept
+    assert "three" in tok.decode(ids[:cut]) and "three" not in tok.decode(ids[: cut - 1])
+    assert delta.token_ids == ids[:cut] and delta.text == "one two "
+    assert handle.output().token_ids == ids[:cut] and cut < len(ids)
