@@ -8,13 +8,21 @@ code 2; `--debug` shows the traceback instead."""
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 from ringserve.benchmark.options import add_arguments as bench_args
-from ringserve.config import KV_TOKENS_PER_WAITING, PLAN_FOR, EngineConfig, UserError
+from ringserve.config import (
+    KV_TOKENS_PER_WAITING,
+    PLAN_FOR,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    UserError,
+    speculative_options,
+)
 
 
 def _defaults() -> dict[str, object]:
@@ -97,13 +105,48 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--wedge-timeout-s", type=float, help=f"default {d['wedge_timeout_s']}")
     p.add_argument("--heartbeat-s", type=float, help=f"default {d['heartbeat_s']}")
+    _speculative_args(p, d)
+
+
+def _speculative_args(p: argparse.ArgumentParser, d: dict[str, object]) -> None:
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        help="speculative decoding: ngram (prompt lookup) or draft (a draft model)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        help=f"most tokens proposed per decode step (default {d['num_speculative_tokens']})",
+    )
+    p.add_argument(
+        "--ngram-max", type=int, help=f"longest n-gram matched (default {d['ngram_max']})"
+    )
+    p.add_argument(
+        "--ngram-min", type=int, help=f"shortest n-gram matched (default {d['ngram_min']})"
+    )
+    p.add_argument(
+        "--draft-model", default=None, help="draft model directory (--speculative draft)"
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
+    p.add_argument(
+        "--no-adaptive-speculation",
+        action="store_true",
+        help="propose num-speculative-tokens always, whatever the acceptance",
+    )
 
 
 _PASSED_ON = (
     "dtype", "max_model_len", "kv_capacity_tokens", "max_tokens_per_pass", "chunk_size",
     "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s", "plan_for", "min_kv_tokens",
     "max_waiting_requests", "queue_timeout_s", "host_kv_tokens", "host_kv_mib",
-    "structured_outputs_config",
+    "structured_outputs_config", "speculative",
+    "num_speculative_tokens", "ngram_max", "ngram_min",
 )  # fmt: skip
 
 
@@ -141,6 +184,12 @@ def _config(args: argparse.Namespace) -> EngineConfig:
             raise UserError(f"--structured-outputs-config: {exc}") from None
     if args.rank_speed:
         given["rank_speed"] = numbers(args.rank_speed, "--rank-speed", float)
+    if args.draft_model:
+        given["draft_model"] = Path(args.draft_model)
+    if args.no_adaptive_speculation:
+        given["speculative_adaptive"] = False
+    if args.speculative_config:
+        given.update(_speculative_config(args.speculative_config))
     return EngineConfig(
         model_dir=model, prefix_reuse=not args.no_prefix_reuse, layer_split=split, **given
     )
@@ -165,6 +214,16 @@ def _check_port_free(host: str, port: int) -> None:
             raise UserError(
                 f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port"
             ) from None
+
+
+def _speculative_config(text: str) -> dict[str, object]:
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    return speculative_options(spec)
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 SERVING_DTYPES = ("bfloat16", "float32")
 PLAN_FOR = ("capacity", "throughput", "balanced")  # what the planner optimises (plan/objective.py)
 KV_TOKENS_PER_WAITING = 16  # the default queue bound: one waiting request per this many KV slots
+SPECULATIVE_METHODS = ("ngram", "draft")  # who proposes speculative tokens (sched/speculation.py)
 
 
 class UserError(ValueError):
@@ -63,8 +64,15 @@ class EngineConfig:
     plan: dict[str, Any] | None = field(default=None, compare=False)
     # vLLM's --structured-outputs-config: a JSON object (engine/grammar.py)
     structured_outputs_config: str | None = None
+    speculative: str | None = None  # None: off; "ngram": prompt lookup; "draft": a draft model
+    num_speculative_tokens: int = 4  # the most tokens proposed per decode step
+    ngram_max: int = 4  # prompt lookup matches the last ngram_max .. ngram_min tokens
+    ngram_min: int = 2
+    draft_model: Path | None = None
+    speculative_adaptive: bool = True  # k per request follows its acceptance
 
     def __post_init__(self) -> None:
+        self._check_speculative()
         if self.plan_for not in PLAN_FOR:
             raise ValueError(f"plan_for must be one of {list(PLAN_FOR)}, not {self.plan_for!r}")
         if self.rank_speed is not None:
@@ -85,9 +93,52 @@ class EngineConfig:
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError("queue_timeout_s must be > 0 (leave it out for no timeout)")
 
+    def _check_speculative(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative must be one of {list(SPECULATIVE_METHODS)}, not {self.speculative!r}"
+            )
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative 'draft' needs draft_model (a model directory)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 1..16")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
+
+    @property
+    def speculative_tokens(self) -> int:
+        """The most speculative tokens a decode step carries; 0 when off."""
+        return 0 if self.speculative is None else self.num_speculative_tokens
+
     @property
     def waiting_limit(self) -> int:
         """How many requests may wait for admission before more are refused."""
         if self.max_waiting_requests is not None:
             return self.max_waiting_requests
         return max(1, self.kv_capacity_tokens // KV_TOKENS_PER_WAITING)
+
+
+def speculative_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig options from vLLM's `speculative_config` form:
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2} (or "model" for a draft model)."""
+    names = {
+        "method": "speculative",
+        "num_speculative_tokens": "num_speculative_tokens",
+        "prompt_lookup_max": "ngram_max",
+        "prompt_lookup_min": "ngram_min",
+        "model": "draft_model",
+    }
+    unknown = sorted(set(spec) - set(names))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(names)}")
+    options = {names[k]: v for k, v in spec.items()}
+    if options.get("speculative") == "draft_model":
+        options["speculative"] = "draft"
+    if "speculative" not in options:
+        options["speculative"] = "draft" if "draft_model" in options else None
+    if options.get("draft_model") is not None:
+        options["draft_model"] = Path(options["draft_model"])
+    if options["speculative"] is None:
+        raise ValueError("speculative_config needs a method (ngram or draft) or a model")
+    return options

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ringserve import logs
-from ringserve.config import EngineConfig
+from ringserve.config import EngineConfig, speculative_options
 from ringserve.launch.local_ring import LocalRing
 from ringserve.launch.progress import GenerateBar
 from ringserve.models.builtin import builtin_model_dir
@@ -34,6 +34,7 @@ class LLM:
         layer_split: list[int] | None = None,
         log_dir: str | None = None,
         revision: str | None = None,
+        speculative_config: dict[str, Any] | None = None,
         **engine_options: Any,
     ) -> None:
         """`model`: a model directory or a Hugging Face Hub id (at
@@ -42,6 +43,10 @@ class LLM:
         if pp_size < 1:
             raise ValueError("pp_size must be >= 1")
         split = tuple(layer_split) if layer_split is not None else None
+        if speculative_config is not None:  # vLLM's form of the speculative options
+            engine_options = {**engine_options, **speculative_options(speculative_config)}
+        if engine_options.get("draft_model") is not None:
+            engine_options["draft_model"] = Path(engine_options["draft_model"])
         config = EngineConfig(model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options)
         self.config, self.plan = size_ring(config, pp_size, rank_memory_mib)
         self.pp_size = pp_size

@@ -26,6 +26,15 @@ stable.
     llama_100m    Llama, 8 layers, hidden 1024, 16 heads / 8 KV heads,
                   intermediate 2816, vocab 8192, untied: about 111M
                   parameters, for benchmarks (bench/roofline.py), not tests.
+    llama_copy    A Llama whose greedy continuation of a token is, mostly, a
+                  fixed successor of it (a random permutation): the token
+                  embeddings dominate the residual stream and the head maps
+                  each token's embedding to its successor's logit. So a text
+                  the model wrote, given again in a prompt, is what its
+                  answer repeats (as summaries and edits repeat their
+                  source), while a random prompt's answer is new text. The
+                  layers still run and perturb the logits. Sizes are the
+                  caller's: tiny for tests, `copy_100m` for benchmarks.
 """
 
 from __future__ import annotations
@@ -124,6 +133,95 @@ def llama_100m(tmp: Path) -> Path:
         eos_token_id=1,
     )
     return _save(LlamaForCausalLM, cfg, tmp / "llama_100m", seed=15)
+
+
+def llama_copy(
+    tmp: Path,
+    name: str = "llama_copy",
+    *,
+    vocab: int = 256,
+    hidden: int = 64,
+    intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    embed_std: float = 1.0,
+    seed: int = 16,
+    scramble: float = 0.0,
+) -> Path:
+    """A Llama that mostly continues a token with its fixed successor (see
+    above); `scramble` of the tokens get another successor (a draft that
+    disagrees with its target that often)."""
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).float().eval()
+        embed = model.get_input_embeddings().weight
+        embed.normal_(0.0, embed_std)
+        unit = embed / embed.norm(dim=-1, keepdim=True)
+        # the successor map depends on the seed and the vocabulary only, so a
+        # smaller model of the same seed (a draft) continues text the same way
+        successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+        if scramble > 0:
+            other = torch.Generator().manual_seed(seed + 1)
+            moved = torch.rand(vocab, generator=other) < scramble
+            successor[moved] = successor[moved][torch.randperm(int(moved.sum()), generator=other)]
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        head[successor] = unit * (4.0 * hidden**0.5)
+    path = tmp / name
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, max_shard_size="1GB")
+    return path
+
+
+def copy_100m(tmp: Path) -> Path:
+    """`llama_copy` at `llama_100m`'s size (about 111M parameters)."""
+    return llama_copy(
+        tmp,
+        "copy_100m",
+        vocab=8192,
+        hidden=1024,
+        intermediate=2816,
+        layers=8,
+        heads=16,
+        kv_heads=8,
+        embed_std=0.2,  # the layers still move some logits: not every step follows
+        seed=15,
+    )
+
+
+def copy_draft(tmp: Path) -> Path:
+    """A draft for `copy_100m`: its vocabulary and, for 80% of the tokens,
+    its successor map; 2 layers of hidden 256 (about 5M parameters, most of
+    them the embeddings)."""
+    return llama_copy(
+        tmp,
+        "copy_draft",
+        vocab=8192,
+        hidden=256,
+        intermediate=512,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        embed_std=0.2,
+        seed=15,
+        scramble=0.2,
+    )
 
 
 def qwen2_tied(tmp: Path) -> Path:

@@ -15,7 +15,8 @@ EXAMPLES = 25  # per operation; cases are the same on every run
 
 
 def test_generated_requests_get_the_answers_the_description_promises():
-    with Launched("--max-model-len", "128", "--wedge-timeout-s", "10") as server:
+    # Long enough for generated conversations rendered with their tools.
+    with Launched("--max-model-len", "1024", "--wedge-timeout-s", "10") as server:
         report = fuzz(server.url, EXAMPLES)
         assert server.proc.poll() is None, server.output()
     assert not report.findings, "\n\n".join(report.findings)

@@ -17,6 +17,7 @@ import torch
 
 from ringserve import logs
 from ringserve.engine.desk import RequestDesk
+from ringserve.engine.drafter import Drafter
 from ringserve.engine.handle import RequestHandle
 from ringserve.engine.heartbeat import Heartbeat
 from ringserve.engine.metrics import Metrics, RankReports
@@ -46,8 +47,10 @@ class Conductor:
         wedge_timeout_s: float = 30.0,
         heartbeat_s: float = 1.0,
         executor: Executor | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.drafter = drafter
         self.stage = stage
         self.desk = desk
         self.ring = ring
@@ -149,6 +152,8 @@ class Conductor:
     async def _pump(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self.drafter is not None:
+                await self._draft(loop)
             decision = self.scheduler.schedule()
             if decision is None:
                 if self._trace:  # the call may have evicted or retracted: a re-run repeats it
@@ -157,6 +162,25 @@ class Conductor:
                 await self._wake.wait()
                 continue
             await self._launch(loop, decision)
+
+    async def _draft(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Let the draft model propose for the idle decoding requests, in the
+        forward thread; each offer is an input of the scheduler (and of its
+        re-run, so it is logged)."""
+        spec = self.scheduler.speculation
+        asks = spec.asks(self.scheduler.running)
+        live = {r.req_id for r in self.scheduler.running} | {
+            r.req_id for r in self.scheduler.waiting
+        }
+        self.drafter.release(live)
+        if not asks:
+            return
+        drafts = await loop.run_in_executor(self.executor, self.drafter.propose, asks)
+        for req_id, history, _ in asks:
+            if req_id in drafts:
+                spec.offer(req_id, len(history), drafts[req_id])
+                if self._trace:
+                    log.debug("spec.offer", req_id=req_id, at=len(history), tokens=drafts[req_id])
 
     async def _launch(self, loop: asyncio.AbstractEventLoop, decision: Decision) -> None:
         p = decision.pass_id
@@ -225,7 +249,11 @@ class Conductor:
         if isinstance(msg, Output):
             if self._trace:
                 log.debug(
-                    "pass.output", pass_id=msg.pass_id, tokens=msg.tokens, fallbacks=msg.fallbacks
+                    "pass.output",
+                    pass_id=msg.pass_id,
+                    tokens=msg.tokens,
+                    fallbacks=msg.fallbacks,
+                    accepted=msg.accepted,
                 )
             record = self.scheduler.in_flight[msg.pass_id]
             touched = self.scheduler.on_output(msg)
@@ -246,11 +274,17 @@ class Conductor:
         grammars = self.desk.grammars
         if grammars is None:
             return
-        sampled = (e.req_id for e in decision.entries if e.sample)
-        for req_id, token in zip(sampled, out.tokens, strict=True):
-            reason = grammars.accept(req_id, token)
-            if reason is not None:
-                self.scheduler.abort(req_id, reason)
+        sampled = [e.req_id for e in decision.entries if e.sample]
+        counts = out.accepted if out.accepted is not None else [1] * len(sampled)
+        at = 0
+        for req_id, n in zip(sampled, counts, strict=True):
+            # a constrained request proposes nothing, so it yields one token
+            for token in out.tokens[at : at + n]:
+                reason = grammars.accept(req_id, token)
+                if reason is not None:
+                    self.scheduler.abort(req_id, reason)
+                    break
+            at += n
 
     def fail(self, reason: str) -> None:
         """The ring is broken: fail every live request with the reason."""

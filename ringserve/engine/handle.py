@@ -35,31 +35,38 @@ class RequestHandle:
         self.submitted = time.monotonic()
         self.last_token_at: float | None = None
         self.done = False
+        # where a stop string ended the text: tokens after it (brought by the
+        # same pass, a verification's) are not the request's output
+        self.stop_at: int | None = None
 
     @property
     def req_id(self) -> int:
         return self.req.req_id
 
+    @property
+    def kept(self) -> int:
+        """How many of the request's tokens are its output."""
+        return len(self.req.output) if self.stop_at is None else self.stop_at
+
     def take_new_tokens(self) -> Delta | None:
         """Turn the request's new tokens into a Delta (None if nothing new)."""
-        new = self.req.output[self.fed :]
+        end = self.kept
+        new = self.req.output[self.fed : end]
         finished = self.req.phase is Phase.FINISHED
         if not new and not finished:
             return None
-        text = "".join(self.stream.push(t) for t in new)
+        text = ""
+        for i, t in enumerate(new):  # a pass may bring several tokens: none past a stop string
+            text += self.stream.push(t)
+            if self.stream.stopped:
+                new, end = new[: i + 1], self.fed + i + 1
+                self.stop_at = end
+                break
         if finished:
             text += self.stream.finish()
-        lp = (
-            self.req.logprobs[self.fed : len(self.req.output)]
-            if self.req.params.logprobs is not None
-            else None
-        )
-        top = (
-            self.req.top_logprobs[self.fed : len(self.req.output)]
-            if self.req.params.logprobs
-            else None
-        )
-        self.fed = len(self.req.output)
+        lp = self.req.logprobs[self.fed : end] if self.req.params.logprobs is not None else None
+        top = self.req.top_logprobs[self.fed : end] if self.req.params.logprobs else None
+        self.fed = end
         delta = Delta(text, new, lp, top, self.req.finish_reason if finished else None)
         self.queue.put_nowait(delta)
         self.done = finished
@@ -91,11 +98,11 @@ class RequestHandle:
         one = RequestOutput(
             request_id=req.req_id,
             prompt_token_ids=req.prompt,
-            token_ids=list(req.output),
+            token_ids=req.output[: self.kept],
             text=self.stream.text,
             finish_reason=req.finish_reason,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
+            logprobs=req.logprobs[: self.kept] if req.params.logprobs is not None else None,
+            top_logprobs=req.top_logprobs[: self.kept] if req.params.logprobs else None,
             cached_tokens=req.cached_tokens,
         )
         return RequestOutput.of_choices(None, [one])

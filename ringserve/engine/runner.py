@@ -9,6 +9,7 @@ from ringserve.cache.host_pool import HostPool
 from ringserve.cache.pool import KVPool
 from ringserve.engine.replica import Row
 from ringserve.engine.sampler import Sampler
+from ringserve.engine.verify import Verification, Verifier
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.ring.messages import Decision, Output
 
@@ -34,6 +35,7 @@ class Runner:
         self.first = layers.start == 0
         self.last = layers.stop == num_layers
         self.sampler = Sampler()
+        self.verifier = Verifier(self.sampler)
 
     def batch(self, decision: Decision, rows: list[Row]) -> ForwardBatch:
         entries = decision.entries
@@ -96,6 +98,8 @@ class Runner:
         hidden: torch.Tensor,
         masks: torch.Tensor | None = None,
     ) -> Output:
+        if any(e.draft for e in decision.entries):
+            return self._verify(decision, rows, hidden, masks)
         logits = self.model.logits(hidden[batch.sample_rows])
         picked = [(e, r) for e, r in zip(decision.entries, rows, strict=True) if e.sample]
         specs = [r.sampling for _, r in picked]
@@ -106,6 +110,30 @@ class Runner:
             masked = [i for i, (e, _) in enumerate(picked) if e.masked]
             rows_masks = (torch.tensor(masked, dtype=torch.int64), masks)
         return self.sampler(decision.pass_id, logits, specs, positions, histories, rows_masks)
+
+    def _verify(
+        self, decision: Decision, rows: list[Row], hidden: torch.Tensor, masks: torch.Tensor | None
+    ) -> Output:
+        """A pass with verification rows: logits at every speculative
+        position (and the last of every other sampled entry, under its mask
+        when it is masked: a masked entry proposes nothing, so it is one
+        logits row)."""
+        picked, checks, end, masked = [], [], 0, []
+        for e, r in zip(decision.entries, rows, strict=True):
+            end += len(e.tokens)
+            if e.sample:
+                if e.masked:
+                    masked.append(len(picked))
+                picked += range(end - e.draft - 1, end)
+                position = e.start + len(e.tokens) - e.draft
+                history = None if r.tokens is None else r.tokens[: len(r.tokens) - e.draft]
+                proposals = e.tokens[len(e.tokens) - e.draft :]
+                checks.append(Verification(r.sampling, position, proposals, history))
+        idx = torch.tensor(picked, dtype=torch.int64, device=hidden.device)
+        rows_masks = None
+        if masks is not None:
+            rows_masks = (torch.tensor(masked, dtype=torch.int64), masks)
+        return self.verifier(decision.pass_id, self.model.logits(hidden[idx]), checks, rows_masks)
 
 
 def dry_run_slots(tokens: int, rows: int, capacity: int) -> list[list[int]]:

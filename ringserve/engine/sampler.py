@@ -12,6 +12,7 @@ import torch
 from ringserve.engine import logits as processing
 from ringserve.engine.grammar import apply_masks
 from ringserve.kernels import ops
+from ringserve.kernels.sample_reference import filter_probs
 from ringserve.ring.messages import Output, SamplingSpec, TopLogprobs
 
 _MIX = 0x9E3779B97F4A7C15
@@ -59,6 +60,39 @@ class Sampler:
             fallbacks=int(fallback.sum()),
         )
 
+    def draw(
+        self, logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row (float logits) and which rows fell back to argmax."""
+        if all(s.temperature == 0 or s.top_k == 1 for s in specs):
+            return self._greedy(logits)
+        return self._sample(logits, specs, positions)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+        """The distribution each row's draw samples from (after temperature,
+        top-k, top-p and min-p); rows may be non-finite where a draw falls back."""
+        dev = logits.device
+        return filter_probs(
+            logits.float(),
+            torch.tensor([s.temperature for s in specs], device=dev),
+            torch.tensor([s.top_k for s in specs], device=dev),
+            torch.tensor([s.top_p for s in specs], device=dev),
+            torch.tensor([s.min_p for s in specs], device=dev),
+        )
+
+    @staticmethod
+    def noise(spec: SamplingSpec, position: int, vocab: int) -> torch.Tensor:
+        """The uniforms a sampled row at `position` draws with (on the CPU)."""
+        gen = torch.Generator(device="cpu").manual_seed(noise_seed(spec.seed or 0, position))
+        return torch.rand(vocab, generator=gen)
+
+    def logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, specs: list[SamplingSpec]
+    ) -> tuple[list[float] | None, list[TopLogprobs] | None]:
+        """Logprobs of `tokens` (one per row) and each row's top ones, as asked."""
+        return self._logprobs(logits.float(), tokens, specs)
+
     @staticmethod
     def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # One pass finds both: a row's max is NaN exactly when the row holds
@@ -86,8 +120,7 @@ class Sampler:
         noise = torch.full_like(logits, 0.5)
         for i, (spec, pos) in enumerate(zip(specs, positions, strict=True)):
             if not greedy[i]:
-                gen = torch.Generator(device="cpu").manual_seed(noise_seed(spec.seed or 0, pos))
-                noise[i] = torch.rand(logits.shape[-1], generator=gen).to(dev)
+                noise[i] = Sampler.noise(spec, pos, logits.shape[-1]).to(dev)
         tokens, fallback = ops.sample(logits, temperature, top_k, top_p, min_p, noise)
         return tokens, fallback | (torch.isnan(logits).any(-1) & temperature.eq(0))
 

@@ -74,6 +74,17 @@ def _ages(c: Conductor) -> dict[tuple[str, ...], float]:
     return {(str(s.rank),): age for s, age in c.rank_stats()}
 
 
+def _spec(field: str) -> Callable[[Conductor], float]:
+    return lambda c: getattr(c.scheduler.speculation.stats, field)
+
+
+def _spec_at(field: str, base: int) -> Callable[[Conductor], dict[tuple[str, ...], float]]:
+    """A per-position speculation count, positions numbered from `base`."""
+    return lambda c: {
+        (str(j + base),): n for j, n in enumerate(getattr(c.scheduler.speculation.stats, field))
+    }
+
+
 def _finished(c: Conductor) -> dict[tuple[str, ...], float]:
     return {(reason,): n for reason, n in sorted(c.metrics.finished.items())}
 
@@ -105,6 +116,12 @@ SERIES: tuple[Series, ...] = (
     Series("ringserve_rank_forward_seconds_total", "counter", "seconds each rank spent computing passes", _per_rank("forward_s"), ("rank",)),
     Series("ringserve_rank_sent_bytes_total", "counter", "bytes each rank sent to its successor", _per_rank("sent_bytes"), ("rank",)),
     Series("ringserve_rank_report_age_seconds", "gauge", "age of each rank's figures (heartbeats go round while the ring is idle)", _ages, ("rank",)),
+    Series("ringserve_spec_verifications_total", "counter", "decode steps that verified proposals", _spec("verifications")),
+    Series("ringserve_spec_proposed_tokens_total", "counter", "speculative tokens proposed", _spec("proposed")),
+    Series("ringserve_spec_accepted_tokens_total", "counter", "speculative tokens the target accepted", _spec("accepted")),
+    Series("ringserve_spec_freed_slots_total", "counter", "KV slots of rejected positions freed", _spec("freed")),
+    Series("ringserve_spec_proposed_at_position_total", "counter", "verifications that proposed a token at a position (from 1)", _spec_at("proposed_at", 1), ("position",)),
+    Series("ringserve_spec_accepted_at_position_total", "counter", "verifications whose proposal at a position (from 1) was accepted", _spec_at("accepted_at", 1), ("position",)),
     # ---- vLLM's names (model_name label added on export) ----
     Series(f"{VLLM}num_requests_running", "gauge", "requests admitted and generating", lambda c: len(c.scheduler.running)),
     Series(f"{VLLM}num_requests_waiting", "gauge", "requests waiting to be scheduled", lambda c: len(c.scheduler.waiting)),
@@ -118,6 +135,10 @@ SERIES: tuple[Series, ...] = (
     Series(f"{VLLM}time_per_output_token_seconds", "histogram", "time between output tokens", lambda c: c.metrics.tpot),
     Series(f"{VLLM}inter_token_latency_seconds", "histogram", "time between output tokens", lambda c: c.metrics.tpot),
     Series(f"{VLLM}e2e_request_latency_seconds", "histogram", "request latency, arrival to last token", lambda c: c.metrics.e2e),
+    Series(f"{VLLM}spec_decode_num_drafts_total", "counter", "decode steps that verified proposals", _spec("verifications")),
+    Series(f"{VLLM}spec_decode_num_draft_tokens_total", "counter", "speculative tokens proposed", _spec("proposed")),
+    Series(f"{VLLM}spec_decode_num_accepted_tokens_total", "counter", "speculative tokens accepted", _spec("accepted")),
+    Series(f"{VLLM}spec_decode_num_accepted_tokens_per_pos_total", "counter", "accepted speculative tokens by position (from 0)", _spec_at("accepted_at", 0), ("position",)),
     Series(f"{VLLM}request_prompt_tokens", "histogram", "prompt tokens per finished request", lambda c: c.metrics.prompt_lens),
     Series(f"{VLLM}request_generation_tokens", "histogram", "generated tokens per finished request", lambda c: c.metrics.output_lens),
 )  # fmt: skip

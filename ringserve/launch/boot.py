@@ -15,6 +15,7 @@ from ringserve.cache.host_pool import HostPool
 from ringserve.cache.pool import KVPool
 from ringserve.cache.tiers import prefix_cache
 from ringserve.config import EngineConfig, resolve_dtype
+from ringserve.engine.drafter import Drafter
 from ringserve.engine.grammar import mask_words
 from ringserve.engine.runner import Runner
 from ringserve.engine.stage import FaultyStage, Stage
@@ -56,6 +57,33 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
     check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
     faults = FaultPlan.from_env(rank)
     return FaultyStage(runner, rank, faults) if faults.touches_stage else Stage(runner, rank)
+
+
+def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
+    """Rank 0's draft model for `--speculative draft`, all of its layers, with
+    a KV pool of the ring's token capacity; None without one."""
+    if config.speculative != "draft" or config.draft_model is None:
+        return None
+    draft_cfg = ModelConfig.from_dir(config.draft_model)
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"draft model {config.draft_model} has a vocabulary of {draft_cfg.vocab_size} "
+            f"tokens, the served model {cfg.vocab_size}: they must share one tokenizer"
+        )
+    dtype = TORCH_DTYPES[resolve_dtype(config.dtype, draft_cfg.torch_dtype)]
+    device = torch.device(config.device)
+    layers = range(draft_cfg.num_layers)
+    model = load_model(config.draft_model, draft_cfg, layers, dtype, device)
+    pool = KVPool(
+        len(layers),
+        config.kv_capacity_tokens,
+        draft_cfg.num_kv_heads,
+        draft_cfg.head_dim,
+        dtype,
+        device,
+    )
+    log.info("draft.loaded", layers=len(layers), pool_bytes=pool.nbytes)
+    return Drafter(model, pool, device)
 
 
 def report_loaded(stage: Stage) -> None:

@@ -15,7 +15,13 @@ from ringserve.engine.grammar import Grammars, StructuredOutputsConfig
 from ringserve.http.app import create_app
 from ringserve.http.options import HttpOptions
 from ringserve.http.server import serve
-from ringserve.launch.boot import build_rank_zero, build_stage, hidden_announcement, report_loaded
+from ringserve.launch.boot import (
+    build_drafter,
+    build_rank_zero,
+    build_stage,
+    hidden_announcement,
+    report_loaded,
+)
 from ringserve.launch.processes import EXIT_LINK_FAILED, exit_now_if_stuck
 from ringserve.models.config import ModelConfig
 from ringserve.ring.faults import FaultPlan
@@ -55,6 +61,7 @@ def build_conductor(config: EngineConfig, world: int = 1, ends=None) -> Conducto
         ring=ends,
         wedge_timeout_s=config.wedge_timeout_s,
         heartbeat_s=config.heartbeat_s,
+        drafter=build_drafter(config, cfg),
     )
 
 

@@ -27,6 +27,7 @@ INPUTS = (
     "pass.output",
     "pass.void",
     "request.abort",
+    "spec.offer",
 )
 
 
@@ -48,6 +49,7 @@ class _Rerun:
             "pass.output": self._output,
             "pass.void": self._void,
             "request.abort": self._abort,
+            "spec.offer": self._offer,
         }
 
     def _arrival(self, e: Event) -> None:
@@ -83,13 +85,21 @@ class _Rerun:
         return None
 
     def _output(self, e: Event) -> None:
-        out = Output(e["pass_id"], list(e["tokens"]), fallbacks=e.get("fallbacks", 0))
+        out = Output(
+            e["pass_id"],
+            list(e["tokens"]),
+            fallbacks=e.get("fallbacks", 0),
+            accepted=e.get("accepted"),
+        )
         self.scheduler.on_output(out)
         self.summary.terminals += 1
 
     def _void(self, e: Event) -> None:
         self.scheduler.on_void(Void(e["pass_id"], e["void_rank"], e["reason"]))
         self.summary.terminals += 1
+
+    def _offer(self, e: Event) -> None:
+        self.scheduler.speculation.offer(e["req_id"], e["at"], list(e["tokens"]))
 
     def _abort(self, e: Event) -> None:
         self.scheduler.abort(e["req_id"], e["reason"])

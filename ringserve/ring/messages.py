@@ -69,7 +69,12 @@ class Entry(msgspec.Struct, frozen=True):
     appended. `sample` says whether the last token's logits are sampled;
     `masked` that they are sampled under a grammar mask, which rank 0 fills
     and the pass's Hidden carries beside the hidden states (one packed row
-    per masked entry, in entry order)."""
+    per masked entry, in entry order).
+
+    A verification row ends in `draft` speculative tokens (`tokens` is then
+    [last token, p1..pk] for a decode step): the last `draft + 1` positions
+    are all sampled, and the Output says how many tokens the row yields. A
+    masked row never carries speculative tokens."""
 
     req_id: int
     start: int
@@ -78,6 +83,7 @@ class Entry(msgspec.Struct, frozen=True):
     sample: bool
     reuse: list[int] | None = None
     masked: bool = False
+    draft: int = 0
 
 
 class TierCopy(msgspec.Struct, frozen=True):
@@ -124,13 +130,17 @@ class TopLogprobs(msgspec.Struct, frozen=True):
 
 
 class Output(msgspec.Struct, frozen=True, tag="output"):
-    """Sampled tokens of one pass, one per sampled entry, in entry order."""
+    """Sampled tokens of one pass, in entry order: one per sampled entry, or,
+    when `accepted` is given, `accepted[i]` tokens for the i-th sampled entry
+    (the verified prefix of its speculative tokens and one more token);
+    `logprobs` and `top_logprobs` follow `tokens`."""
 
     pass_id: int
     tokens: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     fallbacks: int = 0
+    accepted: list[int] | None = None
 
 
 class Void(msgspec.Struct, frozen=True, tag="void"):

@@ -38,15 +38,25 @@ class Draft:
         """Whether `req` may join: a solo request only an empty pass."""
         return not req.solo or not self.entries
 
-    def add(self, req: Request, slots: list[int], reuse: list[int] | None) -> None:
+    def add(
+        self,
+        req: Request,
+        slots: list[int],
+        reuse: list[int] | None,
+        proposal: list[int] | None = None,
+    ) -> None:
         """The request extends its row by `slots` in this pass (after
-        taking `reuse` as its row, for an admission)."""
+        taking `reuse` as its row, for an admission); the last of them, as
+        many as `proposal` has tokens, hold speculative tokens to verify."""
         self.solo = req.solo
         start = len(req.row)
-        tokens = req.tokens[start : start + len(slots)]
-        sample = len(slots) == req.pending
+        k = 0 if proposal is None else len(proposal)
+        tokens = req.tokens[start : start + len(slots) - k]
+        sample = len(tokens) == req.pending
         masked = sample and req.params.structured_outputs is not None
-        self.entries.append(Entry(req.req_id, start, tokens, slots, sample, reuse, masked))
+        if proposal is not None:
+            tokens += proposal
+        self.entries.append(Entry(req.req_id, start, tokens, slots, sample, reuse, masked, k))
         self.reqs.append(req)
         self.budget -= len(slots)
         req.row.extend(slots)

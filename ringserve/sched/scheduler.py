@@ -15,12 +15,13 @@ from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.census import Census, take_census
 from ringserve.cache.radix import RadixCache
 from ringserve.config import EngineConfig
-from ringserve.ring.messages import Decision, Output, Void
+from ringserve.ring.messages import Decision, Entry, Output, Void
 from ringserve.sched.admission import Admission
 from ringserve.sched.kvbook import KVBook
 from ringserve.sched.passbook import Draft, Pass, PassBook
 from ringserve.sched.relief import Relief
 from ringserve.sched.request import Phase, Request
+from ringserve.sched.speculation import Speculator, constrained
 from ringserve.sched.spill import seal_with_moves
 from ringserve.sched.table import RequestTable
 
@@ -39,6 +40,11 @@ class SchedulerConfig:
     max_retries: int
     prefix_reuse: bool
     passes_in_flight: int
+    speculative_tokens: int = 0  # the most proposals per decode step; 0: off
+    ngram_max: int = 4
+    ngram_min: int = 2
+    speculative_adaptive: bool = True
+    speculative_method: str = "ngram"  # or "draft": proposals offered by rank 0's draft model
 
     def __post_init__(self) -> None:
         if min(self.max_tokens_per_pass, self.chunk_size, self.max_batch) < 1:
@@ -59,6 +65,11 @@ class SchedulerConfig:
             max_retries=config.max_retries,
             prefix_reuse=config.prefix_reuse,
             passes_in_flight=passes_in_flight,
+            speculative_tokens=config.speculative_tokens,
+            ngram_max=config.ngram_max,
+            ngram_min=config.ngram_min,
+            speculative_adaptive=config.speculative_adaptive,
+            speculative_method=config.speculative or "ngram",
         )
 
 
@@ -80,6 +91,13 @@ class Scheduler:
         self.relief = Relief(self.kv, self.table)
         self.admission = Admission(
             self.table, self.kv, self.relief, config.chunk_size, config.max_batch
+        )
+        self.speculation = Speculator(
+            config.speculative_tokens,
+            config.ngram_max,
+            config.ngram_min,
+            config.speculative_adaptive,
+            config.speculative_method,
         )
         self.voids = 0
         self.fallbacks = 0
@@ -159,39 +177,74 @@ class Scheduler:
             if req.in_flight or req.phase is not Phase.RUNNING or not draft.takes(req):
                 continue
             n = min(req.pending, self.config.chunk_size, draft.budget)
-            slots = self.relief.alloc(n, draft, asker=req)
+            proposal = self._proposal(req, draft) if n == req.pending == 1 else None
+            k = 0 if proposal is None else len(proposal)
+            slots = self.relief.alloc(n + k, draft, asker=req)
             if slots is not None:
-                draft.add(req, slots, reuse=None)
+                draft.add(req, slots, reuse=None, proposal=proposal)
+
+    def _proposal(self, req: Request, draft: Draft) -> list[int] | None:
+        """Speculative tokens for a decode step of `req`, within what the
+        pass, the request's limits and the free slots leave (speculation
+        never evicts or retracts); None when it proposes nothing."""
+        if not self.speculation.on or not req.output or constrained(req):
+            return None
+        room = min(
+            draft.budget - 1,
+            req.params.max_tokens - len(req.output) - 1,
+            self.config.max_model_len - len(req.prompt) - len(req.output) - 1,
+            self.kv.available - 1,
+        )
+        if room < 1:
+            return None
+        return self.speculation.propose(req, room) or None
 
     def on_output(self, out: Output) -> list[Request]:
         """Apply one pass's sampled tokens; returns the requests it touched."""
         record = self.passes.settle(out.pass_id)
         self.cache.settle_moves(out.pass_id, confirmed=True)  # before inserts walk through them
         self.fallbacks += out.fallbacks
-        sampled = iter(range(len(out.tokens)))
+        counts = iter(out.accepted if out.accepted is not None else [1] * len(out.tokens))
+        at = 0
         for entry, req in zip(record.decision.entries, record.reqs, strict=True):
             req.retries, req.solo = 0, False  # the budget bounds consecutive voids
+            stop = None
             if entry.sample:
-                self._take_token(req, out, next(sampled))
+                count = next(counts)
+                stop = self._take_tokens(out.pass_id, req, entry, out, at, count)
+                at += count
             elif self.config.prefix_reuse and req.prefilling:
                 self.kv.insert(req)
-            reason = req.abort_reason or (
-                req.stop_reason(self.config.max_model_len) if entry.sample else None
-            )
+            reason = req.abort_reason or stop
             if reason is not None:
                 self._finish(req, reason)
         return record.reqs
 
-    def _take_token(self, req: Request, out: Output, i: int) -> None:
+    def _take_tokens(
+        self, pass_id: int, req: Request, entry: Entry, out: Output, at: int, count: int
+    ) -> str | None:
+        """Take the entry's `count` tokens from `out.tokens[at:]` up to the
+        first that ends the request; returns why it ends, if it does."""
         first = not req.output
+        reason = None
+        kept = 0
+        while kept < count and reason is None:
+            self._take_token(req, out, at + kept)
+            kept += 1
+            reason = req.stop_reason(self.config.max_model_len)
+        if entry.draft:
+            self.speculation.settle(pass_id, req, entry, count, kept, self.kv)
+        if first and self.config.prefix_reuse:
+            self.kv.insert(req)
+        return reason
+
+    def _take_token(self, req: Request, out: Output, i: int) -> None:
         req.output.append(out.tokens[i])
         if out.logprobs is not None:
             req.logprobs.append(out.logprobs[i])
         if out.top_logprobs is not None:
             top = out.top_logprobs[i]
             req.top_logprobs.append(dict(zip(top.token_ids, top.logprobs, strict=True)))
-        if first and self.config.prefix_reuse:
-            self.kv.insert(req)
 
     def on_void(self, void: Void) -> list[Request]:
         """Roll a voided pass back: free what it allocated, restore each
@@ -228,6 +281,7 @@ class Scheduler:
             self.passes.drop(req.req_id)
         if req.node is not None:
             self.kv.release(req)
+        self.speculation.forget(req.req_id)
         self.table.finish(req, reason)
 
     def forget(self, req_id: int) -> None:
