@@ -56,9 +56,21 @@ class SchedulerConfig:
     def from_engine(
         cls, config: EngineConfig, model_limit: int, passes_in_flight: int
     ) -> SchedulerConfig:
-        """The budgets `config` gives a model whose context is `model_limit` long."""
+        """The budgets `config` gives a model whose context is `model_limit`
+        long. A context never outgrows the KV pool (one request alone must
+        always fit it, or it could wait for ever): the context length is
+        capped at the pool's usable slots."""
+        limit = min(model_limit, config.kv_capacity_tokens - 1)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            log.warning(
+                "scheduler.max_model_len_capped",
+                asked=config.max_model_len,
+                model=model_limit,
+                kv_slots=config.kv_capacity_tokens - 1,
+                used=limit,
+            )
         return cls(
-            max_model_len=min(config.max_model_len or model_limit, model_limit),
+            max_model_len=min(config.max_model_len or limit, limit),
             max_tokens_per_pass=config.max_tokens_per_pass,
             chunk_size=config.chunk_size,
             max_batch=config.max_batch,
