@@ -209,6 +209,7 @@ def shortfall_message(entry: RankLedger, capacity_tokens: int, split: tuple[int,
         f"activations {_gib(entry.activations.bytes)}); "
         f"that is the best layer split there is, {list(split)}: give rank {entry.rank} "
         f"more memory, add a rank, or serve a smaller dtype"
+        + (" or a smaller draft model" if entry.draft is not None else "")
     )
 
 
