@@ -95,7 +95,9 @@ def test_solve_with_a_draft_equals_brute_force_over_all_splits(instance):
         assert worst.rank == rooms(model, budgets, acts, draft, split, floor).index(room)
         assert (worst.draft is not None) == (worst.rank == 0)
         return
-    result = solve(model, budgets, acts, page_size=page, min_capacity_tokens=min_tokens, draft=draft)
+    result = solve(
+        model, budgets, acts, page_size=page, min_capacity_tokens=min_tokens, draft=draft
+    )
     assert result.capacity_tokens == best_t
     assert result.layer_split == split
     assert [e.headroom for e in result.ledger] == rooms(model, budgets, acts, draft, split, best_t)
