@@ -17,6 +17,7 @@ import torch
 
 from ringserve.cache.allocator import OutOfSlots, SlotAllocator
 from ringserve.cache.pool import KVPool
+from ringserve.engine.runner import dry_run_slots
 from ringserve.kernels.batch import ForwardBatch
 
 
@@ -71,6 +72,17 @@ class Drafter:
             self.allocator.free(row[len(history) :])
             del row[len(history) :]
         return drafts
+
+    @torch.inference_mode()
+    def dry_run(self, tokens: int, rows: int) -> None:
+        """One draft forward of `tokens` tokens in `rows` rows, logits of
+        every row, writing only into free pool slots: the boot audit
+        measures the draft's activation peak with it, before any request."""
+        rows_slots = dry_run_slots(tokens, rows, self.pool.capacity)
+        sizes = [len(r) for r in rows_slots]
+        batch = ForwardBatch.build(rows_slots, sizes, [True] * len(sizes), self.device)
+        ids = torch.zeros(sum(sizes), dtype=torch.int64, device=self.device)
+        self.model.logits(self.model(ids, batch, self.pool)[batch.sample_rows])
 
     def _step(self, rows: list[list[int]], feeds: list[list[int]]) -> list[int]:
         """One forward: each row extends by its feed; the argmax after each."""

@@ -227,7 +227,17 @@ class PlanFigure(Struct):
     source: str
 
 
-class RankPlan(Struct):
+class DraftPlan(Struct):
+    """Rank 0's draft model (`--speculative draft`): its total and parts."""
+
+    bytes: int
+    source: str
+    weights: PlanFigure
+    kv: PlanFigure
+    activations: PlanFigure
+
+
+class RankPlan(Struct, omit_defaults=True):
     rank: int
     layers: Annotated[list[int], Meta(min_length=2, max_length=2)]  # [start, stop)
     budget: PlanFigure
@@ -237,13 +247,15 @@ class RankPlan(Struct):
     headroom: int
     speed: float
     stage_time: float
+    draft: DraftPlan | None = None
 
 
-class PlanTotals(Struct):
+class PlanTotals(Struct, omit_defaults=True):
     budget: int
     weights: int
     kv: int
     activations: int
+    draft: int | None = None
 
 
 class MemoryPlan(Struct):

@@ -23,7 +23,7 @@ from ringserve.launch.progress import LoadProgress
 from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model
 from ringserve.models.tokenizer import Tokenizer
-from ringserve.plan.audit import check_allocation
+from ringserve.plan.audit import check_allocation, check_draft
 from ringserve.ring.announce import Expectation
 from ringserve.ring.codec import TensorSpec
 from ringserve.ring.faults import FaultPlan
@@ -83,7 +83,9 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
         device,
     )
     log.info("draft.loaded", layers=len(layers), pool_bytes=pool.nbytes)
-    return Drafter(model, pool, device)
+    drafter = Drafter(model, pool, device)
+    check_draft(config.plan, drafter, config.max_tokens_per_pass, config.max_batch)
+    return drafter
 
 
 def report_loaded(stage: Stage) -> None:

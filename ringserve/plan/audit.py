@@ -8,12 +8,14 @@ any rank starts). Injected `slow` faults are not in it: they act on passes."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
+from ringserve.engine.drafter import Drafter
 from ringserve.engine.runner import Runner
 
 log = structlog.get_logger(__name__)
@@ -23,15 +25,20 @@ def measure_activations(runner: Runner, tokens: int, rows: int) -> int:
     """Activation peak of a dry forward at the largest pass, in bytes: the
     device's peak allocation on CUDA, the rise of the resident-set high-water
     mark on the CPU (reset first through /proc/self/clear_refs)."""
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-        torch.cuda.reset_peak_memory_stats(runner.device)
-        before = torch.cuda.memory_allocated(runner.device)
-        runner.dry_run(tokens, rows)
-        return torch.cuda.max_memory_allocated(runner.device) - before
+    return measure_peak(runner.device, lambda: runner.dry_run(tokens, rows))
+
+
+def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
+    """The bytes `run` takes at its peak beyond what was allocated before."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        return torch.cuda.max_memory_allocated(device) - before
     Path("/proc/self/clear_refs").write_text("5")
     before = _status_kib("VmRSS")
-    runner.dry_run(tokens, rows)
+    run()
     return max(0, _status_kib("VmHWM") - before) * 1024
 
 
@@ -89,6 +96,35 @@ def check_allocation(
         planned["host_kv"] = row.get("host_kv", {"bytes": 0})["bytes"]
         actual["host_kv"] = host
     log.info("plan.allocated", rank=rank, planned=planned, actual=actual)
+    _report_unforeseen(rank, planned, actual)
+
+
+def check_draft(plan_dict: dict[str, Any] | None, drafter: Drafter, tokens: int, rows: int) -> None:
+    """Log what rank 0's draft model allocated (weights, KV pool) and the
+    activation peak of a dry draft forward at the largest pass, against the
+    draft entry of rank 0's ledger row, as check_allocation does for the
+    target: a draft the plan left out is unforeseen in every part."""
+    weights = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
+    actual = {"draft_weights": weights, "draft_kv": drafter.pool.nbytes}
+    try:
+        actual["draft_activations"] = measure_peak(
+            drafter.device, lambda: drafter.dry_run(tokens, rows)
+        )
+    except OSError as exc:
+        log.warning("plan.activations_unmeasured", rank=0, part="draft", reason=str(exc))
+    if plan_dict is None:
+        log.info("plan.allocated", rank=0, planned=False, actual=actual)
+        return
+    entry = plan_dict["ranks"][0].get("draft", {})
+    planned = {f"draft_{k}": entry.get(k, {"bytes": 0})["bytes"] for k in _DRAFT_PARTS}
+    log.info("plan.allocated", rank=0, planned=planned, actual=actual)
+    _report_unforeseen(0, planned, actual)
+
+
+_DRAFT_PARTS = ("weights", "kv", "activations")
+
+
+def _report_unforeseen(rank: int, planned: dict[str, int], actual: dict[str, int]) -> None:
     for part, nbytes in actual.items():
         if nbytes > planned[part]:
             log.warning(

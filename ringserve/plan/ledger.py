@@ -15,12 +15,15 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from ringserve.config import PLAN_FOR
 from ringserve.models.config import _DTYPE_BYTES, ModelConfig
+
+if TYPE_CHECKING:
+    from ringserve.plan.draft import DraftLedger
 
 log = structlog.get_logger(__name__)
 
@@ -136,7 +139,8 @@ def _mem_available() -> int:
 class RankLedger:
     """What one rank must hold, and how long its stage takes. Invariant of a
     valid plan: headroom >= 0, where headroom = budget - weights - kv -
-    activations exactly. `speed` is the rank's planned speed per layer
+    activations - draft exactly (`draft`: the draft model rank 0 runs for
+    `--speculative draft`, plan/draft.py; None on every other rank). `speed` is the rank's planned speed per layer
     relative to the reference (2.0: twice as fast); its predicted stage time
     per pass is layers / speed, in reference-layer times (embeddings, head
     and sampling are not timed: they are small beside the layers)."""
@@ -149,6 +153,7 @@ class RankLedger:
     activations: Figure
     speed: float = 1.0
     host: Figure | None = None  # the host KV tier, in host memory: not in the budget
+    draft: DraftLedger | None = None
 
     def __post_init__(self) -> None:
         if not self.speed > 0:
@@ -160,7 +165,8 @@ class RankLedger:
 
     @property
     def needs(self) -> int:
-        return self.weights.bytes + self.kv.bytes + self.activations.bytes
+        extra = self.draft.total if self.draft is not None else 0
+        return self.weights.bytes + self.kv.bytes + self.activations.bytes + extra
 
     @property
     def headroom(self) -> int:
@@ -178,6 +184,7 @@ class RankLedger:
             "speed": self.speed,
             "stage_time": self.stage_time,
             **({"host_kv": self.host.to_dict()} if self.host is not None else {}),
+            **({"draft": self.draft.to_dict()} if self.draft is not None else {}),
         }
 
 
@@ -198,9 +205,22 @@ def shortfall_message(entry: RankLedger, capacity_tokens: int, split: tuple[int,
         f"({layers.start}-{layers.stop - 1}) with a KV pool of {capacity_tokens} tokens: "
         f"needs {_gib(entry.needs)} GiB, budget {_gib(entry.budget.bytes)} GiB, "
         f"short by {_mib(-entry.headroom)} MiB (weights {_gib(entry.weights.bytes)}, "
-        f"KV {_gib(entry.kv.bytes)}, activations {_gib(entry.activations.bytes)}); "
+        f"KV {_gib(entry.kv.bytes)}, {_draft_part(entry)}"
+        f"activations {_gib(entry.activations.bytes)}); "
         f"that is the best layer split there is, {list(split)}: give rank {entry.rank} "
         f"more memory, add a rank, or serve a smaller dtype"
+        + (" or a smaller draft model" if entry.draft is not None else "")
+    )
+
+
+def _draft_part(entry: RankLedger) -> str:
+    """`draft 1.2 (weights 0.9, KV 0.2, activations 0.1), ` or nothing."""
+    d = entry.draft
+    if d is None:
+        return ""
+    return (
+        f"draft {_gib(d.total)} (weights {_gib(d.weights.bytes)}, KV {_gib(d.kv.bytes)}, "
+        f"activations {_gib(d.activations.bytes)}), "
     )
 
 
@@ -257,6 +277,8 @@ class Plan:
         rows = [head] + [self._row(e) for e in self.ledger] + [self._totals()]
         if self.host_tokens:
             rows = [(*row, cell) for row, cell in zip(rows, self._host_cells(), strict=True)]
+        if self.has_draft:
+            rows = [(*row, cell) for row, cell in zip(rows, self._draft_cells(), strict=True)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [
             "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
@@ -270,6 +292,13 @@ class Plan:
         )
         if self.host_tokens:
             lines.append(f"H = {self.host_tokens} tokens in host memory on every rank")
+        if self.has_draft:
+            d = self.ledger[0].draft
+            lines.append(
+                f"draft on rank 0: weights {_mib(d.weights.bytes)} {d.weights.source}, "
+                f"KV {_mib(d.kv.bytes)} {d.kv.source} ({self.capacity_tokens} tokens), "
+                f"activations {_mib(d.activations.bytes)} {d.activations.source}"
+            )
         slow = self.bottleneck
         lines.append(
             f"bottleneck: rank {slow.rank}, {slow.stage_time:.2f} layer-times per pass "
@@ -289,6 +318,15 @@ class Plan:
             f"{e.speed:g}",
             f"{e.stage_time:.2f}",
         )
+
+    @property
+    def has_draft(self) -> bool:
+        return any(e.draft is not None for e in self.ledger)
+
+    def _draft_cells(self) -> list[str]:
+        figures = [e.draft for e in self.ledger]
+        cells = [f"{_mib(d.total)} {d.source}" if d is not None else "-" for d in figures]
+        return ["draft", *cells, _mib(sum(d.total for d in figures if d is not None))]
 
     def _host_cells(self) -> list[str]:
         figures = [e.host for e in self.ledger if e.host is not None]
@@ -311,7 +349,10 @@ class Plan:
             **({"host_tokens": self.host_tokens} if self.host_tokens else {}),
             "bottleneck": self.bottleneck.rank,
             "ranks": [e.to_dict() for e in self.ledger],
-            "totals": {k: sum(getattr(e, k).bytes for e in self.ledger) for k in _COMPONENTS},
+            "totals": {
+                **{k: sum(getattr(e, k).bytes for e in self.ledger) for k in _COMPONENTS},
+                **({"draft": self.ledger[0].draft.total} if self.has_draft else {}),
+            },
         }
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ringserve.plan.draft import DraftBytes
 from ringserve.plan.ledger import Figure, RankLedger, total
 from ringserve.plan.model_bytes import ModelBytes
 
@@ -25,7 +26,11 @@ class Rig:
 
     `caps`, where a method takes it, bounds the layers of each rank: a split
     giving rank r more than caps[r] layers counts as infeasible (headroom
-    INFEASIBLE), which is how a bound on the slowest stage enters the DP."""
+    INFEASIBLE), which is how a bound on the slowest stage enters the DP.
+
+    `draft`, with `--speculative draft`, is rank 0's draft model: rank 0's
+    spare also loses its weights and activations, and its headroom
+    t * draft.kv_per_token more (its pool holds the same t tokens)."""
 
     model: ModelBytes
     budgets: tuple[Figure, ...]
@@ -33,6 +38,7 @@ class Rig:
     prefix: tuple[int, ...]
     fixed: tuple[int, ...]
     speeds: tuple[Fraction, ...]
+    draft: DraftBytes | None = None
 
     @classmethod
     def build(
@@ -41,6 +47,7 @@ class Rig:
         budgets: Sequence[Figure],
         acts: Sequence[Figure],
         speeds: Sequence[float] | None = None,
+        draft: DraftBytes | None = None,
     ) -> Rig:
         ranks = len(budgets)
         prefix = [0]
@@ -54,7 +61,7 @@ class Rig:
             raise ValueError(
                 f"rank speeds {list(map(float, exact))} must be {ranks} positive factors"
             )
-        return cls(model, tuple(budgets), tuple(acts), tuple(prefix), tuple(fixed), exact)
+        return cls(model, tuple(budgets), tuple(acts), tuple(prefix), tuple(fixed), exact, draft)
 
     @property
     def ranks(self) -> int:
@@ -67,6 +74,8 @@ class Rig:
     def room(self, r: int, a: int, b: int, t: int) -> int:
         spare = self.budgets[r].bytes - self.activations[r].bytes - self.fixed[r]
         kv = t * (b - a) * self.model.kv_per_token_per_layer.bytes
+        if r == 0 and self.draft is not None:
+            spare -= self.draft.at(t).total
         return spare - (self.prefix[b] - self.prefix[a]) - kv
 
     def stage_time(self, r: int, n: int) -> Fraction:
@@ -148,6 +157,7 @@ class Rig:
                     kv=Figure(t * n * kv.bytes, kv.source),
                     activations=self.activations[r],
                     speed=float(self.speeds[r]),
+                    draft=self.draft.at(t) if r == 0 and self.draft is not None else None,
                 )
             )
             a += n

@@ -48,6 +48,7 @@ def size_ring(
         dtype=solved_dtype,
         max_capacity_tokens=cap,
         objective=Objective(config.plan_for, config.rank_speed, config.min_kv_tokens),
+        draft_model=config.draft_model if config.speculative == "draft" else None,
     )
     split = tuple(solved.layer_split)
     host_tokens, host = solve_host(replace(config, layer_split=split), cfg, solved_dtype)

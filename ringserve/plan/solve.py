@@ -33,6 +33,7 @@ from pathlib import Path
 import structlog
 
 from ringserve.models.config import ModelConfig
+from ringserve.plan.draft import DraftBytes, draft_bytes_from_dir
 from ringserve.plan.ledger import (
     Figure,
     Plan,
@@ -48,6 +49,7 @@ from ringserve.plan.objective import Objective, paced
 from ringserve.plan.rig import Rig
 
 __all__ = [
+    "DraftBytes",
     "Figure",
     "ModelBytes",
     "Objective",
@@ -75,19 +77,21 @@ def solve(
     min_capacity_tokens: int = 1,
     max_capacity_tokens: int | None = None,
     objective: Objective | None = None,
+    draft: DraftBytes | None = None,
 ) -> Plan:
     """The split and the largest T (a multiple of page_size, at least
     min_capacity_tokens rounded up to a page, at most max_capacity_tokens
     when given) that every rank fits; below the cap no split fits
     T + page_size. Raises PlanError naming the rank that falls short.
     An objective other than capacity (None: capacity) trades some of that T
-    for a faster slowest stage (objective.py)."""
+    for a faster slowest stage (objective.py). `draft`: rank 0 also holds
+    a draft model whose pool holds T tokens (plan/draft.py)."""
     objective = objective if objective is not None else Objective()
     if len(budgets) != len(activations) or not budgets:
         raise ValueError(f"{len(budgets)} budgets for {len(activations)} activation figures")
     if page_size < 1:
         raise ValueError(f"page_size must be positive, got {page_size}")
-    rig = Rig.build(model, budgets, activations, objective.speeds)
+    rig = Rig.build(model, budgets, activations, objective.speeds, draft)
     if rig.ranks > rig.num_layers:
         raise PlanError(
             f"{rig.ranks} ranks for a model of {rig.num_layers} layers: every rank needs a layer"
@@ -112,7 +116,10 @@ def _page_bound(rig: Rig, page_size: int) -> int:
     """Pages no split can exceed: summed over ranks, headroom is every budget
     less every fixed cost, all weights and T * L * kv, whatever the split."""
     spare = sum(rig.room(r, 0, 0, 0) for r in range(rig.ranks)) - rig.prefix[-1]
-    per_page = page_size * rig.num_layers * rig.model.kv_per_token_per_layer.bytes
+    per_token = rig.num_layers * rig.model.kv_per_token_per_layer.bytes
+    if rig.draft is not None:
+        per_token += rig.draft.kv_per_token.bytes
+    per_page = page_size * per_token
     return spare // per_page
 
 
@@ -138,10 +145,13 @@ def plan(
     activations: Sequence[Figure] | None = None,
     max_capacity_tokens: int | None = None,
     objective: Objective | None = None,
+    draft_model: str | Path | None = None,
 ) -> Plan:
     """Plan a model (a ModelConfig, or a model directory whose safetensors
     headers give the weight bytes) over pp_size ranks. The pool must hold at
-    least one largest pass plus the padding slot 0."""
+    least one largest pass plus the padding slot 0. `draft_model`: the
+    directory of the draft model rank 0 runs (`--speculative draft`),
+    charged to rank 0 (plan/draft.py)."""
     if isinstance(model, ModelConfig):
         cfg, weights = model, model_bytes_from_config(model, dtype)
     else:
@@ -165,6 +175,14 @@ def plan(
             )
             for r in range(pp_size)
         ]
+    draft = None
+    if draft_model is not None:
+        draft = draft_bytes_from_dir(
+            draft_model,
+            dtype,
+            max_num_tokens_per_pass=max_num_tokens_per_pass,
+            max_num_seqs=max_num_seqs,
+        )
     result = solve(
         weights,
         budgets,
@@ -173,6 +191,7 @@ def plan(
         min_capacity_tokens=max_num_tokens_per_pass + 1,
         max_capacity_tokens=max_capacity_tokens,
         objective=objective,
+        draft=draft,
     )
     log.debug("plan.solved", **result.to_dict())  # the CLI prints the table itself
     return result
