@@ -225,8 +225,8 @@ def test_the_boot_audit_reports_a_draft_the_plan_left_out(pair, planned):
     with capture_logs() as logs:
         build_drafter(replace(sized, speculative="draft"), ModelConfig.from_dir(target))
     unforeseen = {e["part"] for e in logs if e["event"] == "plan.unforeseen"}
-    if planned:
-        assert not unforeseen
+    if planned:  # the CPU's activation figure is a resident-set rise: noisy, so not pinned
+        assert unforeseen <= {"draft_activations"}
     else:  # the activation peak is measured too, but on the CPU it may rise by nothing
         assert {"draft_weights", "draft_kv"} <= unforeseen <= {f"draft_{p}" for p in PARTS}
 
