@@ -5,11 +5,14 @@ prefix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from ringserve import LLM, SamplingParams
+from ringserve.replay import replay
 from tests import model_factory
 from tests.workloads import ENGINE_OPTIONS, reference_prompts
 
@@ -60,10 +63,19 @@ def test_prompt_logprobs_equal_transformers_with_chunks_and_no_prefix_reuse(work
     assert any(o.cached_tokens > 0 for o in plain), "the cache was never warm"
 
 
-def test_prompt_logprobs_equal_transformers_on_a_ring_with_voids(workload, monkeypatch):
+def test_prompt_logprobs_equal_transformers_on_a_ring_with_voids(workload, monkeypatch, tmp_path):
+    """Beside plain requests that share their prefixes; the run replays."""
     monkeypatch.setenv("RINGSERVE_FAULTS", "void:rank=2:every=3")
     path, prompts, want = workload
-    with LLM(path, pp_size=3, max_batch=2, wedge_timeout_s=20.0, **ENGINE_OPTIONS) as llm:
-        outs = llm.generate(prompts, PARAMS)
-    for out, w in zip(outs, want, strict=True):
+    plain = SamplingParams(max_tokens=2, temperature=0)
+    options = dict(pp_size=3, max_batch=2, wedge_timeout_s=20.0, log_dir=str(tmp_path))
+    with LLM(path, **options, **ENGINE_OPTIONS) as llm:
+        outs = llm.generate(prompts + prompts, [PARAMS] * len(prompts) + [plain] * len(prompts))
+    for out, w in zip(outs[: len(prompts)], want, strict=True):
         assert_matches(out.prompt_logprobs, w)
+        assert out.cached_tokens == 0
+    report = replay(tmp_path)
+    assert report.rerun.reproduced and not report.kinds()
+    lines = (tmp_path / "rank0.jsonl").read_text().splitlines()
+    voids = [e for e in map(json.loads, lines) if e["event"] == "pass.void"]
+    assert voids, "no pass was voided"
