@@ -61,6 +61,10 @@ def test_prompt_logprobs_equal_transformers_with_chunks_and_no_prefix_reuse(work
         assert out.cached_tokens == 0
     assert all(o.prompt_logprobs is None for o in plain)
     assert any(o.cached_tokens > 0 for o in plain), "the cache was never warm"
+    with LLM(path, kv_capacity_tokens=2048) as llm:  # whole prompts: several slices a pass
+        whole = llm.generate(prompts, PARAMS)
+    for out, w in zip(whole, want, strict=True):
+        assert_matches(out.prompt_logprobs, w)
 
 
 def test_prompt_logprobs_equal_transformers_on_a_ring_with_voids(workload, monkeypatch, tmp_path):

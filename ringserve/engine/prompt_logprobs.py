@@ -5,7 +5,10 @@ computes, judged against the prompt token that follows the position.
 Stateless, so a pass re-run after a void (or a request re-prefilled after a
 retraction) yields the same records: the spec carries the whole prompt, so
 a chunk's last position is judged against the first token of the next chunk.
-Costs nothing for a pass in which no request asks.
+Costs nothing for a pass in which no request asks. Positions are judged
+SLICE at a time, so the logits held at once (a few [SLICE, vocab] float
+tensors) stay within those of the boot dry forward, which computes the
+logits of max_batch rows (plan/audit.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 
 from ringserve.engine.replica import Row
 from ringserve.ring.messages import Decision, PromptLogprobs, TopLogprobs
+
+SLICE = 16
 
 
 def prompt_logprobs(
@@ -37,20 +42,27 @@ def prompt_logprobs(
             if stop > e.start:
                 at = hidden[offset : offset + stop - e.start]
                 targets = prompt[e.start + 1 : stop + 1]
-                records.append(
-                    _record(e.req_id, e.start + 1, logits_of(at), targets, spec.prompt_logprobs)
-                )
+                k = spec.prompt_logprobs
+                records.append(_judged(e.req_id, e.start + 1, at, targets, k, logits_of))
         offset += len(e.tokens)
     return records or None
 
 
-def _record(
-    req_id: int, start: int, logits: torch.Tensor, targets: list[int], k: int
+def _judged(
+    req_id: int,
+    start: int,
+    hidden: torch.Tensor,
+    targets: list[int],
+    k: int,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
 ) -> PromptLogprobs:
-    lp = torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), -1)
-    idx = torch.tensor(targets, dtype=torch.int64, device=lp.device)
-    chosen = lp.gather(-1, idx[:, None])[:, 0].tolist()
-    vals, ids = lp.topk(k, -1)
-    vals, ids = vals.tolist(), ids.tolist()
-    top = [TopLogprobs(ids[i], vals[i]) for i in range(len(targets))]
+    chosen: list[float] = []
+    top: list[TopLogprobs] = []
+    for at in range(0, len(targets), SLICE):
+        logits = logits_of(hidden[at : at + SLICE]).float()
+        lp = torch.log_softmax(torch.nan_to_num(logits, nan=float("-inf")), -1)
+        idx = torch.tensor(targets[at : at + SLICE], dtype=torch.int64, device=lp.device)
+        chosen += lp.gather(-1, idx[:, None])[:, 0].tolist()
+        vals, ids = lp.topk(k, -1)
+        top += [TopLogprobs(i, v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
     return PromptLogprobs(req_id, start, chosen, top)
