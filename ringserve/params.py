@@ -101,6 +101,9 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    # The top `prompt_logprobs` of every prompt position (and the prompt
+    # token's own), as vLLM's; such a request never reuses cached prefix KV.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -122,6 +125,10 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
         )
 
         self._check_logits_processing()
@@ -227,6 +234,9 @@ class RequestOutput:
     cached_tokens: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt: str | None = None
+    # vLLM's shape: None for the first prompt token, then per token a dict
+    # token id -> logprob (the token's own and the top ones at its position).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -251,4 +261,5 @@ class RequestOutput:
             cached_tokens=first.cached_tokens,
             outputs=outputs,
             prompt=prompt,
+            prompt_logprobs=first.prompt_logprobs,
         )

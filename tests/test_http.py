@@ -365,12 +365,6 @@ BAD_REQUESTS = {
     "bad_top_p": ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     "empty_stop": ("/v1/completions", {"prompt": PROMPT, "stop": ""}, 400, "stop"),
     "too_many_choices": ("/v1/completions", {"prompt": PROMPT, "n": 99}, 400, "n"),
-    "echo_with_logprobs": (
-        "/v1/completions",
-        {"prompt": PROMPT, "echo": True, "logprobs": 1},
-        400,
-        "echo",
-    ),
     "suffix": ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, 400, "suffix"),
     "vllm_beam_search": (
         "/v1/completions",
@@ -378,9 +372,9 @@ BAD_REQUESTS = {
         400,
         "use_beam_search",
     ),
-    "vllm_prompt_logprobs": (
+    "prompt_logprobs_out_of_range": (
         "/v1/chat/completions",
-        {"messages": MESSAGES, "prompt_logprobs": 1},
+        {"messages": MESSAGES, "prompt_logprobs": 99},
         400,
         "prompt_logprobs",
     ),

@@ -72,7 +72,8 @@ def client(server: Server) -> openai.AsyncOpenAI:
 
 
 async def streamed_calls(stream) -> tuple[list[dict], str | None, str]:
-    """Tool calls reassembled from a stream as an OpenAI client does it."""
+    """Tool calls reassembled from a stream as an OpenAI client does it;
+    `pieces`: how many deltas brought some of a call's arguments."""
     calls: dict[int, dict] = {}
     finish, content = None, ""
     async for chunk in stream:
@@ -82,7 +83,9 @@ async def streamed_calls(stream) -> tuple[list[dict], str | None, str]:
                 if d.index not in calls:
                     assert d.id and d.type == "function" and d.function.name, "name comes first"
                     calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                    calls[d.index]["pieces"] = 0
                 calls[d.index]["arguments"] += d.function.arguments or ""
+                calls[d.index]["pieces"] += bool(d.function.arguments)
             finish = choice.finish_reason or finish
     return [calls[i] for i in sorted(calls)], finish, content
 
@@ -142,6 +145,9 @@ async def test_required_tool_choice_makes_a_list_of_calls(server: Server) -> Non
     assert [(c["name"], c["arguments"]) for c in streamed] == [
         (c["name"], c["arguments"]) for c in calls
     ]
+    # the arguments stream as the tokens come, not whole at the end
+    longest = max(streamed, key=lambda c: len(c["arguments"]))
+    assert len(longest["arguments"]) >= 8 and longest["pieces"] > 1, longest
     one = await client(server).chat.completions.create(
         **body, seed=seed, temperature=0.7, parallel_tool_calls=False
     )
@@ -240,3 +246,24 @@ def test_the_hermes_parser_reads_calls_and_keeps_the_text_before_them():
     assert parser.safe_prefix("hello <tool") == len("hello ")
     assert parser.safe_prefix("hello <tool_call>{") == len("hello ")
     assert parser.safe_prefix("hello") == 5
+
+
+def test_a_call_list_read_piece_by_piece_gives_the_calls_read_whole() -> None:
+    from ringserve.http.call_list import CallListReader
+
+    text = (
+        '[ {"parameters": {"city": "Pa\\"r}is", "days": [1, {"a": 2}]}, "name": "get_weather"},'
+        '{"name":"get_time","parameters":{"zone":"utc"} }]'
+    )
+    whole = CallListReader().read_all(text)
+    assert [(n, json.loads(a)) for n, a in whole] == [
+        ("get_weather", {"city": 'Pa"r}is', "days": [1, {"a": 2}]}),
+        ("get_time", {"zone": "utc"}),
+    ]
+    reader, got, opened = CallListReader(), {}, []
+    for i in range(0, len(text), 3):
+        for piece in reader.push(text[i : i + 3]):
+            if piece.opens:
+                opened.append(piece.index)
+            got[piece.index] = (piece.name, got.get(piece.index, ("", ""))[1] + piece.arguments)
+    assert opened == [0, 1] and [got[0], got[1]] == whole

@@ -104,5 +104,8 @@ class RequestHandle:
             logprobs=req.logprobs[: self.kept] if req.params.logprobs is not None else None,
             top_logprobs=req.top_logprobs[: self.kept] if req.params.logprobs else None,
             cached_tokens=req.cached_tokens,
+            prompt_logprobs=list(req.prompt_logprobs)
+            if req.params.prompt_logprobs is not None
+            else None,
         )
         return RequestOutput.of_choices(None, [one])

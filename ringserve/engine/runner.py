@@ -3,10 +3,12 @@ that touches tensors)."""
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from ringserve.cache.host_pool import HostPool
 from ringserve.cache.pool import KVPool
+from ringserve.engine.prompt_logprobs import prompt_logprobs
 from ringserve.engine.replica import Row
 from ringserve.engine.sampler import Sampler
 from ringserve.engine.verify import Verification, Verifier
@@ -97,6 +99,18 @@ class Runner:
         batch: ForwardBatch,
         hidden: torch.Tensor,
         masks: torch.Tensor | None = None,
+    ) -> Output:
+        out = self._sample(decision, rows, batch, hidden, masks)
+        prompt = prompt_logprobs(decision, rows, hidden, self.model.logits)
+        return out if prompt is None else msgspec.structs.replace(out, prompt_logprobs=prompt)
+
+    def _sample(
+        self,
+        decision: Decision,
+        rows: list[Row],
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        masks: torch.Tensor | None,
     ) -> Output:
         if any(e.draft for e in decision.entries):
             return self._verify(decision, rows, hidden, masks)

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from ringserve.http.errors import bad_request
 from ringserve.http.logprobs import chat_logprobs
+from ringserve.http.prompt_logprobs import prompt_logprobs_body
 from ringserve.http.prompts import chat_prompt
 from ringserve.http.responses import (
     AssistantMessage,
@@ -58,7 +59,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 param=grammar_param,
             )
         structured, grammar_param = plan.grammar, "tools"
-    params = choice_params(body, max_tokens, chat_logprobs_param(body), structured)
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request(
+            "prompt_logprobs is served without stream only on chat completions",
+            param="prompt_logprobs",
+        )
+    logprobs = chat_logprobs_param(body)
+    params = choice_params(body, max_tokens, logprobs, structured, body.prompt_logprobs)
     head = ChatCompletionChunk(new_id("chatcmpl"), int(time.time()), served.name, [])
     async with Submission(
         served.conductor,
@@ -74,8 +81,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         outputs = await sub.outputs()
     sub.check(outputs)
     choices = [_choice(served, i, out, plan) for i, out in enumerate(outputs)]
+    judged = prompt_logprobs_body(served.tokenizer, outputs[0].prompt_logprobs)
     return json_response(
-        ChatCompletion(head.id, head.created, head.model, choices, usage=sub.usage())
+        ChatCompletion(
+            head.id, head.created, head.model, choices, usage=sub.usage(), prompt_logprobs=judged
+        )
     )
 
 

@@ -9,6 +9,12 @@ from aiohttp import web
 
 from ringserve.http.errors import bad_request
 from ringserve.http.logprobs import completion_logprobs
+from ringserve.http.prompt_logprobs import (
+    completion_prompt_logprobs,
+    echoed_logprobs,
+    joined,
+    prompt_logprobs_body,
+)
 from ringserve.http.prompts import PromptBody, completion_prompts
 from ringserve.http.responses import (
     Completion,
@@ -33,7 +39,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompts = completion_prompts(served, body.prompt)
     refuse_unsupported(body, len(prompts))
     structured, grammar_param = structured_params(body)
-    params = choice_params(body, completion_max_tokens(served, body), body.logprobs, structured)
+    max_tokens = completion_max_tokens(served, body)
+    judged = completion_prompt_logprobs(body)
+    params = choice_params(body, max_tokens, body.logprobs, structured, judged)
     # With `echo`, each choice's text begins with its prompt's.
     echo = _prompt_texts(served, body.prompt, prompts) if body.echo else None
     per_choice = None if echo is None else [e for e in echo for _ in params]
@@ -42,12 +50,12 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         served.conductor, prompts, params, request=request, grammar_param=grammar_param
     ) as sub:
         if body.stream:
-            chunks = _chunks(served, sub, head, body.include_usage, per_choice)
+            chunks = _chunks(served, sub, head, body, per_choice)
             return await stream_events(request, chunks)
         outputs = await sub.outputs()
     sub.check(outputs)
     choices = [
-        _choice(served, i, out, "" if per_choice is None else per_choice[i])
+        _choice(served, i, out, "" if per_choice is None else per_choice[i], body)
         for i, out in enumerate(outputs)
     ]
     return json_response(Completion(head.id, head.created, head.model, choices, usage=sub.usage()))
@@ -64,28 +72,53 @@ def _prompt_texts(served: ServedModel, prompt: PromptBody, ids: list[list[int]])
     return [served.tokenizer.decode(p, skip_special_tokens=False) for p in ids]
 
 
-def _choice(served: ServedModel, i: int, out: RequestOutput, echo: str) -> CompletionChoice:
+def _choice(
+    served: ServedModel, i: int, out: RequestOutput, echo: str, body: CompletionRequest
+) -> CompletionChoice:
     lp = None
     if out.logprobs is not None:
-        lp = completion_logprobs(served.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
-    return CompletionChoice(i, echo + out.text, lp, out.finish_reason, out.token_ids)
+        lp = completion_logprobs(
+            served.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, len(echo)
+        )
+    if body.echo and body.logprobs is not None:
+        lp = joined(_echoed(served, body, out), lp)
+    plp = prompt_logprobs_body(served.tokenizer, out.prompt_logprobs)
+    wanted = plp if body.prompt_logprobs is not None else None
+    return CompletionChoice(i, echo + out.text, lp, out.finish_reason, out.token_ids, wanted)
+
+
+def _echoed(served: ServedModel, body: CompletionRequest, out: RequestOutput) -> CompletionLogprobs:
+    if out.prompt_logprobs is None or body.logprobs is None:
+        raise ValueError("an echoed choice with logprobs has no prompt logprobs")
+    return echoed_logprobs(
+        served.tokenizer, out.prompt_token_ids, out.prompt_logprobs, body.logprobs
+    )
 
 
 async def _chunks(
     served: ServedModel,
     sub: Submission,
     head: Completion,
-    include_usage: bool,
+    body: CompletionRequest,
     echo: list[str] | None,
 ) -> AsyncIterator[Completion]:
-    if echo is not None:  # the prompts first, as vLLM streams them
+    # The prompts first, as vLLM streams them; a choice that reports prompt
+    # logprobs gets its prompt's chunk with its first tokens, which follow them.
+    late = body.logprobs is not None or body.prompt_logprobs is not None
+    if echo is not None and not late:
         for i, text in enumerate(echo):
             yield Completion(head.id, head.created, head.model, [CompletionChoice(i, text)])
-    offsets = [0] * len(sub.handles)  # where each choice's next token text begins
+    offsets = [0 if echo is None else len(e) for e in (echo or [""] * len(sub.handles))]
+    pending = set(range(len(sub.handles))) if late else set()
     async for i, delta in sub.deltas():
         error = sub.failure(delta.finish_reason)
         if error is not None:
             raise error
+        if i in pending:
+            pending.discard(i)
+            first = _prompt_chunk(served, sub.handles[i].output(), i, echo, body)
+            if first is not None:
+                yield Completion(head.id, head.created, head.model, [first])
         lp: CompletionLogprobs | None = None
         if delta.logprobs is not None:
             lp = completion_logprobs(
@@ -94,5 +127,25 @@ async def _chunks(
             offsets[i] += sum(len(t) for t in lp.tokens)
         choice = CompletionChoice(i, delta.text, lp, delta.finish_reason, delta.token_ids)
         yield Completion(head.id, head.created, head.model, [choice])
-    if include_usage:
+    if body.include_usage:
         yield Completion(head.id, head.created, head.model, [], usage=sub.usage())
+
+
+def _prompt_chunk(
+    served: ServedModel,
+    out: RequestOutput,
+    i: int,
+    echo: list[str] | None,
+    body: CompletionRequest,
+) -> CompletionChoice | None:
+    """The chunk a choice's stream begins with: its echoed prompt (with the
+    prompt's logprobs when asked) and vLLM's `prompt_logprobs` when asked."""
+    if echo is None and body.prompt_logprobs is None:
+        return None
+    lp = None
+    if echo is not None and body.logprobs is not None:
+        lp = _echoed(served, body, out)
+    plp = None
+    if body.prompt_logprobs is not None:
+        plp = prompt_logprobs_body(served.tokenizer, out.prompt_logprobs)
+    return CompletionChoice(i, "" if echo is None else echo[i], lp, None, None, plp)

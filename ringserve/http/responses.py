@@ -34,10 +34,25 @@ class Usage(Struct):
 
 
 class CompletionLogprobs(Struct):
+    """With `echo`, the prompt's tokens come first; its first token has no
+    logprob (null, as OpenAI's)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """vLLM's record of one token at one prompt position."""
+
+    logprob: float
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: null for the first token, then per token a map
+# from token id (as a string) to its record.
+PromptLogprobsBody = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(Struct):
@@ -46,6 +61,7 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsBody | None = None
 
 
 class Completion(Struct):
@@ -123,6 +139,7 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     object: str = "chat.completion"
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobsBody | None = None
 
     @property
     def text(self) -> str:

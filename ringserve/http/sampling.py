@@ -30,7 +30,6 @@ CHAT_DEFAULT_MAX_TOKENS = 256
 _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
 # What a refusal names when the field alone is not what is refused.
 _REFUSED_AS = {
-    "echo": "echo with logprobs (the prompt's logprobs)",
     "skip_special_tokens": "skip_special_tokens false",
     "spaces_between_special_tokens": "spaces_between_special_tokens false",
 }
@@ -39,8 +38,7 @@ _REFUSED_AS = {
 def refuse_unsupported(body: SamplingFields, prompts: int = 1) -> None:
     names = unsupported_fields(body)
     if names:
-        chat_echo = names[0] == "echo" and isinstance(body, ChatRequest)
-        what = names[0] if chat_echo else _REFUSED_AS.get(names[0], names[0])
+        what = _REFUSED_AS.get(names[0], names[0])
         raise bad_request(f"{what} is not supported by this server", param=names[0])
     if prompts * body.n > MAX_CHOICES:
         raise bad_request(
@@ -79,6 +77,7 @@ def choice_params(
     max_tokens: int,
     logprobs: int | None,
     structured: StructuredOutputsParams | None = None,
+    prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; a 400 naming the field when invalid."""
     stop = body.stop if body.stop is not None else ()
@@ -105,6 +104,7 @@ def choice_params(
                 allowed_token_ids=allowed,
                 bad_words=() if body.bad_words is None else tuple(body.bad_words),
                 structured_outputs=structured,
+                prompt_logprobs=prompt_logprobs,
             )
             for i in range(body.n)
         ]

@@ -108,7 +108,7 @@ class SamplingFields(Struct, kw_only=True):
     skip_special_tokens: Annotated[bool, Meta(extra_json_schema=only(True))] = True
     spaces_between_special_tokens: Annotated[bool, Meta(extra_json_schema=only(True))] = True
     truncate_prompt_tokens: Annotated[int, Meta(extra_json_schema=only(None))] | None = None
-    prompt_logprobs: Annotated[int, Meta(extra_json_schema=only(None))] | None = None
+    prompt_logprobs: TopLogprobs | None = None
     priority: Annotated[int, Meta(extra_json_schema=only(0))] = 0
     logits_processors: Annotated[list[Any], Meta(extra_json_schema=only(None))] | None = None
     return_tokens_as_token_ids: Annotated[bool, Meta(extra_json_schema=only(False))] = False
@@ -128,7 +128,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str | PromptId | list[PromptId]]
     logprobs: TopLogprobs | None = None
     echo: Annotated[
-        bool, Meta(description="with logprobs, not supported: prompt logprobs are not computed")
+        bool, Meta(description="with logprobs, the logprobs cover the prompt's tokens too")
     ] = False
     suffix: Annotated[str, Meta(extra_json_schema=only(None))] | None = None
     best_of: Annotated[int, Meta(description="must equal n")] | None = None
@@ -315,7 +315,6 @@ def unsupported_fields(body: SamplingFields) -> list[str]:
         "skip_special_tokens": not body.skip_special_tokens,
         "spaces_between_special_tokens": not body.spaces_between_special_tokens,
         "truncate_prompt_tokens": body.truncate_prompt_tokens is not None,
-        "prompt_logprobs": body.prompt_logprobs is not None,
         "priority": body.priority != 0,
         "logits_processors": body.logits_processors is not None,
         "return_tokens_as_token_ids": body.return_tokens_as_token_ids,
@@ -332,7 +331,6 @@ def unsupported_fields(body: SamplingFields) -> list[str]:
         }
     if isinstance(body, CompletionRequest):
         asked |= {
-            "echo": body.echo and body.logprobs is not None,
             "suffix": body.suffix is not None,
             "best_of": body.best_of is not None and body.best_of != body.n,
         }

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ringserve.http.call_list import CallListReader, Piece
 from ringserve.http.errors import bad_request
 from ringserve.http.responses import ChatDelta, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
 from ringserve.params import StructuredOutputsParams
@@ -192,8 +193,8 @@ def forced_calls(plan: ToolPlan, text: str) -> list[ToolCall]:
     if plan.mode == "named":
         assert plan.function is not None
         return [ToolCall(call_id(), FunctionCall(plan.function, text))]
-    calls = json.loads(text)
-    return [ToolCall(call_id(), FunctionCall(c["name"], _json(c["parameters"]))) for c in calls]
+    calls = CallListReader().read_all(text)
+    return [ToolCall(call_id(), FunctionCall(name, arguments)) for name, arguments in calls]
 
 
 def _json(value: Any) -> str:
@@ -203,7 +204,8 @@ def _json(value: Any) -> str:
 class ToolStream:
     """One choice's stream under a tool plan: turns text deltas into chat
     deltas as OpenAI streams tool calls (a call's id, type and name first,
-    its arguments after, as deltas)."""
+    its arguments after, as deltas; a `required` answer's calls are read
+    as the list grows, http/call_list.py)."""
 
     def __init__(self, plan: ToolPlan, parser: ToolParser | None) -> None:
         self.plan, self.parser = plan, parser
@@ -211,6 +213,7 @@ class ToolStream:
         self.sent = 0  # of `text`, as content (auto) or arguments (named)
         self.opened = False
         self.called = False
+        self.calls = CallListReader()
 
     def push(self, text: str) -> list[ChatDelta]:
         """Deltas for new text of the answer."""
@@ -230,16 +233,16 @@ class ToolStream:
         if self.plan.mode == "none":
             self.sent = len(self.text)
             return [ChatDelta(content=text)] if text else []
-        return []  # required: the list is parsed whole at the end
+        self.sent = len(self.text)  # required: the list's calls, as they grow
+        return [d for piece in self.calls.push(text) for d in self._piece(piece)]
 
     def finish(self, finish_reason: str) -> tuple[list[ChatDelta], str]:
         """Deltas still owed at the end, and the finish reason to send."""
         mode = self.plan.mode
         if mode == "named":
             return [], finish_reason
-        if mode == "required" and finish_reason == "stop":
-            calls = forced_calls(self.plan, self.text)
-            return self._calls(calls), "tool_calls"
+        if mode == "required":  # its calls went out as they grew
+            return [], "tool_calls" if finish_reason == "stop" else finish_reason
         if mode == "auto" and self.parser is not None:
             parsed = self.parser.parse(self.text)
             if parsed.calls:
@@ -257,6 +260,13 @@ class ToolStream:
                     tool_calls=[ToolCallDelta(i, FunctionDelta(arguments=call.function.arguments))]
                 )
             )
+        return out
+
+    def _piece(self, piece: Piece) -> list[ChatDelta]:
+        out = [self._open(piece.index, piece.name)] if piece.opens else []
+        if piece.arguments:
+            args = FunctionDelta(arguments=piece.arguments)
+            out.append(ChatDelta(tool_calls=[ToolCallDelta(piece.index, args)]))
         return out
 
     @staticmethod

@@ -54,7 +54,7 @@ class _Rerun:
 
     def _arrival(self, e: Event) -> None:
         params = msgspec.convert(e["params"], SamplingParams, str_keys=True)
-        spec = sampling_spec(params, len(e["prompt"]), self.eos_ids)
+        spec = sampling_spec(params, len(e["prompt"]), self.eos_ids, list(e["prompt"]))
         spec = msgspec.structs.replace(spec, seed=e["seed"])
         req = Request(e["req_id"], list(e["prompt"]), params, spec, self.eos_ids)
         self.scheduler.add(req)

@@ -36,6 +36,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[list[int]] | None = None
     prompt_len: int = 0
+    # Prompt logprobs (engine/prompt_logprobs.py): the top `prompt_logprobs`
+    # of every prompt position, and the prompt they are judged against.
+    prompt_logprobs: int | None = None
+    prompt_token_ids: list[int] | None = None
 
     @property
     def needs_history(self) -> bool:
@@ -129,11 +133,25 @@ class TopLogprobs(msgspec.Struct, frozen=True):
     logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True):
+    """One entry's prompt logprobs: for prompt tokens `start`, `start + 1`,
+    ... the logprob of the token itself (`logprobs`) and of the most likely
+    ones at its position (`top`), judged on the logits of the position
+    before it."""
+
+    req_id: int
+    start: int
+    logprobs: list[float]
+    top: list[TopLogprobs]
+
+
 class Output(msgspec.Struct, frozen=True, tag="output"):
     """Sampled tokens of one pass, in entry order: one per sampled entry, or,
     when `accepted` is given, `accepted[i]` tokens for the i-th sampled entry
     (the verified prefix of its speculative tokens and one more token);
-    `logprobs` and `top_logprobs` follow `tokens`."""
+    `logprobs` and `top_logprobs` follow `tokens`. `prompt_logprobs` holds
+    one record per entry that asks for them and computed prompt positions,
+    in entry order."""
 
     pass_id: int
     tokens: list[int]
@@ -141,6 +159,7 @@ class Output(msgspec.Struct, frozen=True, tag="output"):
     top_logprobs: list[TopLogprobs] | None = None
     fallbacks: int = 0
     accepted: list[int] | None = None
+    prompt_logprobs: list[PromptLogprobs] | None = None
 
 
 class Void(msgspec.Struct, frozen=True, tag="void"):

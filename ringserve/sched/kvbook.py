@@ -35,8 +35,11 @@ class KVBook:
         return self.prefix_reuse and self.cache.host_capacity > 0
 
     def match(self, req: Request) -> TierMatch:
-        """Longest prefix cached in either tier, leaving at least one token to compute."""
-        probe = req.tokens[:-1] if self.prefix_reuse else []
+        """Longest prefix cached in either tier, leaving at least one token
+        to compute; none for a request that asks for prompt logprobs, which
+        must compute every prompt position."""
+        reuse = self.prefix_reuse and req.params.prompt_logprobs is None
+        probe = req.tokens[:-1] if reuse else []
         return self.cache.match_tiers(probe)
 
     def evict_for(self, n: int) -> None:

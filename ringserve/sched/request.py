@@ -43,6 +43,7 @@ class Request:
     abort_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
 
     @property
     def tokens(self) -> list[int]:
@@ -72,7 +73,10 @@ class Request:
 
 
 def sampling_spec(
-    params: SamplingParams, prompt_len: int = 0, eos_ids: frozenset[int] = frozenset()
+    params: SamplingParams,
+    prompt_len: int = 0,
+    eos_ids: frozenset[int] = frozenset(),
+    prompt: list[int] | None = None,
 ) -> SamplingSpec:
     """The last rank's view of a request's sampling; rank 0 fixes the seed."""
     return SamplingSpec(
@@ -83,7 +87,17 @@ def sampling_spec(
         seed=params.seed if params.seed is not None else secrets.randbits(62),
         logprobs=params.logprobs,
         **_processing(params, prompt_len, eos_ids),
+        **_prompt(params, prompt),
     )
+
+
+def _prompt(params: SamplingParams, prompt: list[int] | None) -> dict:
+    """The prompt-logprobs fields of the spec, off the wire when not asked."""
+    if params.prompt_logprobs is None:
+        return {}
+    if prompt is None:
+        raise ValueError("prompt_logprobs needs the prompt's tokens")
+    return {"prompt_logprobs": params.prompt_logprobs, "prompt_token_ids": list(prompt)}
 
 
 def _processing(params: SamplingParams, prompt_len: int, eos_ids: frozenset[int]) -> dict:
@@ -115,7 +129,7 @@ class RequestFactory:
         self.next_id = 0
 
     def __call__(self, prompt: list[int], params: SamplingParams) -> Request:
-        spec = sampling_spec(params, len(prompt), self.eos_ids)
+        spec = sampling_spec(params, len(prompt), self.eos_ids, prompt)
         req = Request(self.next_id, list(prompt), params, spec, self.eos_ids)
         self.next_id += 1
         return req

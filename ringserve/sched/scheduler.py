@@ -19,6 +19,7 @@ from ringserve.ring.messages import Decision, Entry, Output, Void
 from ringserve.sched.admission import Admission
 from ringserve.sched.kvbook import KVBook
 from ringserve.sched.passbook import Draft, Pass, PassBook
+from ringserve.sched.prompt_logprobs import take_prompt_logprobs
 from ringserve.sched.relief import Relief
 from ringserve.sched.request import Phase, Request
 from ringserve.sched.speculation import Speculator, constrained
@@ -217,6 +218,7 @@ class Scheduler:
         self.cache.settle_moves(out.pass_id, confirmed=True)  # before inserts walk through them
         self.fallbacks += out.fallbacks
         counts = iter(out.accepted if out.accepted is not None else [1] * len(out.tokens))
+        take_prompt_logprobs(record.reqs, out)
         at = 0
         for entry, req in zip(record.decision.entries, record.reqs, strict=True):
             req.retries, req.solo = 0, False  # the budget bounds consecutive voids

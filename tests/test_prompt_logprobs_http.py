@@ -1,0 +1,70 @@
+"""Prompt logprobs through the HTTP API and the official openai client:
+`echo` with `logprobs` puts the prompt's tokens first in the choice's
+logprobs (the first with a null logprob), streamed as not; vLLM's
+`prompt_logprobs` field on completions and chat."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+
+from tests.test_http import MESSAGES, MODEL, PROMPT, Server, serving
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    async with serving() as s:
+        yield s
+
+
+def client(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+async def test_echo_with_logprobs_covers_the_prompt(server: Server) -> None:
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    done = await client(server).completions.create(**body, extra_body={"prompt_logprobs": 2})
+    choice = done.choices[0]
+    _, tokenized = await server.post("/tokenize", {"prompt": PROMPT})
+    prompt_ids = tokenized["tokens"]
+    lp = choice.logprobs
+    n = len(prompt_ids)
+    assert len(lp.tokens) == n + 3 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert choice.text.startswith(PROMPT) and lp.text_offset[n] == len(PROMPT)
+    # vLLM's field: each prompt token's own logprob, the same as echo's
+    judged = choice.model_extra["prompt_logprobs"]
+    assert judged[0] is None and len(judged) == n
+    own = [judged[t][str(prompt_ids[t])]["logprob"] for t in range(1, n)]
+    assert own == lp.token_logprobs[1:n]
+    # streamed: the prompt's chunk first, then the generated tokens
+    stream = await client(server).completions.create(**body, stream=True)
+    tokens, values, text = [], [], ""
+    async for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+    assert text == choice.text and tokens == lp.tokens
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+async def test_chat_answers_vllms_prompt_logprobs(server: Server) -> None:
+    done = await client(server).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
+    judged = done.model_extra["prompt_logprobs"]
+    assert judged[0] is None and len(judged) == done.usage.prompt_tokens
+    assert all(1 <= len(alts) <= 2 for alts in judged[1:])
+    assert all(set(r) == {"logprob", "decoded_token"} for a in judged[1:] for r in a.values())
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        await client(server).chat.completions.create(
+            model=MODEL, messages=MESSAGES, stream=True, extra_body={"prompt_logprobs": 1}
+        )
