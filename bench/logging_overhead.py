@@ -72,12 +72,12 @@ def measure(
     llm = LLM(log_dir=log_dir, **RING)
     try:
         children = [proc.pid for proc in llm._ring.children.procs.values()]
-        llm.generate(prompts, params)  # warm-up: first-touch allocations, caches
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up: first-touch allocations, caches
         passes_before = llm._ring.conductor.metrics.passes
         began, cpu_began = time.perf_counter(), time.process_time() + cpu_s(children)
         tokens = 0
         for _ in range(repeats):
-            tokens += sum(len(o.token_ids) for o in llm.generate(prompts, params))
+            tokens += sum(len(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
         wall = time.perf_counter() - began
         cpu = time.process_time() + cpu_s(children) - cpu_began
         passes = max(llm._ring.conductor.metrics.passes - passes_before, 1)

@@ -26,7 +26,7 @@ from ringserve.ring.messages import Decision, Entry, SamplingSpec
 def batch_s(llm: LLM, prompts: list[list[int]], top: int | None) -> float:
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=top)
     began = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     spent = time.perf_counter() - began
     assert all((o.prompt_logprobs is None) == (top is None) for o in outs)
     return spent

@@ -101,7 +101,7 @@ def measured_run(
     before = ring.conductor.metrics.passes
     asyncio.run_coroutine_threadsafe(loop_cpu(True, box, profile), ring.loop).result()
     began = time.perf_counter()
-    llm.generate(prompts, params)
+    llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - began
     asyncio.run_coroutine_threadsafe(loop_cpu(False, box, profile), ring.loop).result()
     return box, wall, ring.conductor.metrics.passes - before
@@ -123,7 +123,7 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0))
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     timed = TimedStage(conductor.stage)
     conductor.stage.compute = timed.compute
     box, wall, passes = measured_run(llm, prompts, params, profile=False)

@@ -62,7 +62,7 @@ def greedy(n: int) -> SamplingParams:
 def workloads(llm: LLM, n: int, text_len: int, seed: int) -> dict[str, list[list[int]]]:
     rng = random.Random(seed)
     starts = [[rng.randrange(3, VOCAB) for _ in range(4)] for _ in range(n)]
-    texts = [o.token_ids for o in llm.generate(starts, greedy(text_len))]
+    texts = [o.token_ids for o in llm.generate(starts, greedy(text_len), use_tqdm=False)]
     repeating = [t + [rng.randrange(3, VOCAB)] + t[:2] for t in texts]
     edited = [[*p] for p in repeating]
     for p in edited:  # one token in 8 of the given text changed: the answer departs there
@@ -77,9 +77,9 @@ def decode(llm: LLM, prompts: list[list[int]], new: int) -> tuple[float, float, 
     prefill and one token first, untimed. With one rank the whole engine
     runs in this process, so CPU time is what the decode cost, steadier than
     wall time on a machine shared with other work."""
-    llm.generate(prompts, greedy(1))
+    llm.generate(prompts, greedy(1), use_tqdm=False)
     wall, cpu = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, greedy(1 + new))
+    outs = llm.generate(prompts, greedy(1 + new), use_tqdm=False)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     tokens = len(prompts) * new
     return tokens / wall, tokens / cpu, [o.token_ids for o in outs]

@@ -39,7 +39,7 @@ def rate(llm: LLM, batch: int, new: int, so: StructuredOutputsParams | None) -> 
         for i in range(batch)
     ]
     began = time.perf_counter()
-    outs = llm.generate(prompts(batch), params)
+    outs = llm.generate(prompts(batch), params, use_tqdm=False)
     elapsed = time.perf_counter() - began
     tokens = sum(len(o.token_ids) for o in outs)
     return tokens / elapsed, tokens / batch
@@ -47,7 +47,7 @@ def rate(llm: LLM, batch: int, new: int, so: StructuredOutputsParams | None) -> 
 
 def first_token_ms(llm: LLM, so: StructuredOutputsParams | None) -> float:
     began = time.perf_counter()
-    llm.generate(["Start:"], SamplingParams(max_tokens=1, structured_outputs=so))
+    llm.generate(["Start:"], SamplingParams(max_tokens=1, structured_outputs=so), use_tqdm=False)
     return (time.perf_counter() - began) * 1e3
 
 

@@ -75,7 +75,7 @@ def run(path: Path, args: argparse.Namespace, device: int, host: int) -> dict[st
         began, cpu = time.perf_counter(), time.process_time()
         for turn in range(args.turns):
             prompts = chats.prompts()
-            outs = llm.generate(prompts, params)
+            outs = llm.generate(prompts, params, use_tqdm=False)
             chats.answered([o.token_ids for o in outs])
             outputs += [o.token_ids for o in outs]
             generated += sum(len(o.token_ids) for o in outs)
