@@ -16,10 +16,9 @@ def processing_params(
 ) -> SamplingParams:
     """`params` checked, with `bad_words_token_ids` filled in; ValueError
     naming the field otherwise."""
-    for name, ids in (
-        ("logit_bias", list(params.logit_bias or ())),
-        ("allowed_token_ids", list(params.allowed_token_ids or ())),
-    ):
+    biased = () if params.logit_bias is None else params.logit_bias
+    allowed = () if params.allowed_token_ids is None else params.allowed_token_ids
+    for name, ids in (("logit_bias", list(biased)), ("allowed_token_ids", list(allowed))):
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             raise ValueError(
