@@ -251,3 +251,19 @@ def test_a_grammar_constrained_request_beside_speculating_ones_keeps_its_mask():
         stats = llm._ring.conductor.scheduler.speculation.stats
     assert outs[3].outputs[0].text in choice.choice
     assert stats.verifications > 0, stats
+
+
+def test_a_stop_token_inside_a_verified_run_ends_the_request_and_the_count_there(copier):
+    """Tokens a verification accepted past a stop token are not the
+    request's, and /metrics does not count them as generated."""
+    path, prompts, expected = copier
+    at = next(i for i in range(4, NEW_TOKENS) if expected[0][i] not in expected[0][:i])
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, stop_token_ids=[expected[0][at]])
+    with LLM(path, **ENGINE) as llm:
+        (out,) = llm.generate(prompts[:1], params, use_tqdm=False)
+        conductor = llm._ring.conductor
+        stats = conductor.scheduler.speculation.stats
+        assert stats.accepted > 0, stats
+        assert conductor.metrics.generation_tokens == len(out.token_ids)
+    assert out.token_ids == expected[0][: at + 1]
+    assert out.finish_reason == "stop"

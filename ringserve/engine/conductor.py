@@ -256,10 +256,11 @@ class Conductor:
                     accepted=msg.accepted,
                 )
             record = self.scheduler.in_flight[msg.pass_id]
+            taken = self.scheduler.tokens_taken
             touched = self.scheduler.on_output(msg)
             self._advance_grammars(record.decision, msg)
             self.metrics.passes += 1
-            self.metrics.generation_tokens += len(msg.tokens)
+            self.metrics.generation_tokens += self.scheduler.tokens_taken - taken
         else:
             touched = self.scheduler.on_void(msg)
         self.health.mark_progress()

@@ -114,6 +114,7 @@ class Scheduler:
         )
         self.voids = 0
         self.fallbacks = 0
+        self.tokens_taken = 0  # output tokens requests kept (none past a stop in a verified run)
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -253,6 +254,7 @@ class Scheduler:
         return reason
 
     def _take_token(self, req: Request, out: Output, i: int) -> None:
+        self.tokens_taken += 1
         req.output.append(out.tokens[i])
         if out.logprobs is not None:
             req.logprobs.append(out.logprobs[i])
