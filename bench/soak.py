@@ -1,6 +1,6 @@
 """Chaos soak: a launched pp 3 server under mixed load, voids and a slow rank.
 
-    .venv/bin/python bench/soak.py [--minutes 1] [--clients 8] [--pp 3]
+    .venv/bin/python bench/soak.py [--minutes 1] [--clients 8] [--pp 3] [--server-args "..."]
 
 Starts `ringserve launch --pp 3 --log-dir D` on a free loopback port with
 `RINGSERVE_FAULTS` voiding passes on rank 1 and slowing rank 2, then runs
@@ -24,6 +24,7 @@ import asyncio
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -204,7 +205,8 @@ def launch(
 ) -> tuple[subprocess.Popen, str, dict[int, int], list[str]]:
     port = free_port()
     cmd = [sys.executable, "-m", "ringserve", "launch", "--pp", str(args.pp), "--port", str(port),
-           "--log-dir", str(log_dir), "--max-tokens-per-pass", "256"]  # fmt: skip
+           "--log-dir", str(log_dir), "--max-tokens-per-pass", "256",
+           *shlex.split(args.server_args)]  # fmt: skip
     env = {**os.environ, "RINGSERVE_FAULTS": args.faults}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
@@ -234,6 +236,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--pp", type=int, default=3)
     ap.add_argument("--faults", default=FAULTS)
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more `ringserve launch` options, e.g. '--speculative ngram --host-kv-tokens 8192'",
+    )
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="ringserve-soak-"))
     proc, url, pids, _ = launch(args, log_dir)
