@@ -165,3 +165,40 @@ def test_two_launchers_act_as_two_nodes(stop_node):
     finally:
         first.stop()
         second.stop()
+
+
+def test_sigterm_ends_a_long_stream_with_its_reason_and_the_group_promptly():
+    """A request still generating when the server is stopped cannot finish
+    (the conductor stops with it): it ends with the reason at once, and the
+    ranks are gone in seconds, not after the HTTP server's grace period."""
+    import threading
+
+    slow = {"RINGSERVE_FAULTS": "slow:rank=1:ms=50"}
+    launched = Launched("--pp", "2", *COMMON, env=slow)
+    client = openai.OpenAI(base_url=launched.url + "/v1", api_key="none", max_retries=0)
+    first, ended = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def read() -> None:
+        try:
+            stream = client.completions.create(
+                model=model_id(launched), prompt="hi", max_tokens=900, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for chunk in stream:
+                seen.append(chunk.choices[0].text if chunk.choices else "")
+                first.set()
+        except Exception as exc:  # the server says why the stream ends
+            seen.append(f"error: {exc}")
+        finally:
+            first.set()
+            ended.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert first.wait(60), launched.output()
+    gone = launched.stop(signal.SIGTERM)
+    assert ended.wait(10), "the stream was left open"
+    assert gone < 10, f"ranks took {gone:.1f} s to go after SIGTERM"
+    assert len(seen) < 900, "the request finished instead of being ended"
+    assert any("shutting down" in s for s in seen), seen[-3:]

@@ -14,12 +14,18 @@ from ringserve.http.options import HttpOptions
 
 log = structlog.get_logger(__name__)
 
+SHUTDOWN_S = 5.0  # longest wait for handlers once the server stops
+
 
 async def serve(
     conductor: Conductor, app: web.Application, options: HttpOptions, ready: Path | None = None
 ) -> str:
-    """Serve until SIGINT/SIGTERM or until the ring fails; returns why it ended."""
-    runner = web.AppRunner(app, handle_signals=False)
+    """Serve until SIGINT/SIGTERM or until the ring fails; returns why it ended.
+
+    On the way out the conductor stops, so no request still live can finish:
+    each ends now with the reason (a stream gets its error event), and the
+    server waits at most `SHUTDOWN_S` for their handlers to write it."""
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
     await site.start()
@@ -37,5 +43,7 @@ async def serve(
     reason = conductor.failure or "stopped by signal"
     running.cancel()
     stopping.cancel()
+    if conductor.failure is None:  # a failed ring has ended its requests already
+        conductor.desk.fail_all("the server is shutting down")
     await runner.cleanup()
     return reason
