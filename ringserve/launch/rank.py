@@ -67,6 +67,8 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
         await follower.run()
     except LinkError as exc:
         log.error("ring.failed", rank=spec.rank, peer=exc.peer, reason=exc.reason)
+        # the other link's thread may still wait in gloo for a peer that is alive
+        exit_now_if_stuck(ends, EXIT_LINK_FAILED)
         return EXIT_LINK_FAILED
     await ends.recv.close(timeout_s=2.0)
     exit_now_if_stuck(ends, 0)

@@ -93,6 +93,6 @@ async def run_rank_zero(
     if conductor.failure is not None:
         log.error("server.stopped", reason=reason)
         code = EXIT_LINK_FAILED
-    if ends is not None and conductor.failure is None:
+    if ends is not None:
         exit_now_if_stuck(ends, code)
     return code
