@@ -8,7 +8,6 @@ code 2; `--debug` shows the traceback instead."""
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 from dataclasses import fields
@@ -21,6 +20,7 @@ from ringserve.config import (
     SPECULATIVE_METHODS,
     EngineConfig,
     UserError,
+    json_object,
     speculative_options,
 )
 
@@ -217,13 +217,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _speculative_config(text: str) -> dict[str, object]:
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
-    if not isinstance(spec, dict):
-        raise ValueError("--speculative-config must be a JSON object")
-    return speculative_options(spec)
+    return speculative_options(json_object(text, "--speculative-config"))
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ with its defaults declared here and nowhere else."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,17 @@ class UserError(ValueError):
     """A mistake the person running ringserve can fix (a model that is not
     there, a malformed option, a port in use). The command line prints its
     message as one line and exits 2; the message says what to change."""
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object; ValueError naming `what` otherwise."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return raw
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:

@@ -31,6 +31,7 @@ import llguidance
 import llguidance.gbnf_to_lark
 import torch
 
+from ringserve.config import json_object
 from ringserve.params import StructuredOutputsParams
 
 BACKENDS = ("guidance", "auto")  # llguidance; `auto` picks it
@@ -61,12 +62,7 @@ class StructuredOutputsConfig:
     def parse(cls, text: str | None) -> StructuredOutputsConfig:
         if text is None:
             return cls()
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"structured outputs config is not JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("structured outputs config must be a JSON object")
+        raw = json_object(text, "structured outputs config")
         unknown = sorted(set(raw) - {"backend", "disable_any_whitespace"})
         if unknown:
             raise ValueError(f"structured outputs config has unknown keys {unknown}")
