@@ -6,12 +6,16 @@ Model: the ~111M-parameter Llama of `tests/model_factory.llama_100m` (hidden
 once under --model-dir. For each dtype, with one torch thread:
 
 * engine:  `LLM(model, pp_size=1)` decoding `--batch` concurrent greedy
-           requests (scheduler, caches, sampler included). Decode time is
-           the time of a run generating 1 + N tokens less that of a run
-           generating 1 token from prompts of the same length, so prefill is
-           left out.
+           requests (scheduler, caches, sampler included), its decode
+           attention reading the KV pool in place (`--cpu-attention
+           native`). Decode time is the time of a run generating 1 + N
+           tokens less that of a run generating 1 token from prompts of the
+           same length, so prefill is left out.
+* torch:   the same engine with `--cpu-attention torch` (K/V rows gathered
+           out of the pool, then SDPA).
 * forward: the model slice's decode forward in a loop (batch building,
-           layers, head, argmax): the engine without its scheduler.
+           layers, head, argmax): the engine without its scheduler, native
+           attention.
 * matmuls: per layer the q, k, v, o, gate, up and down matmuls at the same
            batch and dtype, plus the lm head: what a decode step must pay.
 
@@ -38,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from ringserve import LLM, SamplingParams  # noqa: E402
 from ringserve.cache.pool import KVPool  # noqa: E402
 from ringserve.kernels.batch import ForwardBatch  # noqa: E402
+from ringserve.kernels.cpu_native import CpuDecodeAttention  # noqa: E402
 from ringserve.models.config import ModelConfig  # noqa: E402
 from ringserve.models.loader import load_model  # noqa: E402
 from tests.model_factory import llama_100m  # noqa: E402
@@ -97,6 +102,7 @@ class ForwardLoop:
         cfg = self.cfg
         self.pool = KVPool(cfg.num_layers, bsz * context + 1, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.bsz, self.context = bsz, context
+        self.native = CpuDecodeAttention.load()
 
     @torch.inference_mode()
     def run(self, prompt_len: int, steps: int) -> tuple[float, float]:
@@ -107,7 +113,7 @@ class ForwardLoop:
         for _ in range(steps):
             for row in rows:
                 row.append(row[-1] + 1)
-            batch = ForwardBatch.build(rows, [1] * self.bsz, [True] * self.bsz)
+            batch = ForwardBatch.build(rows, [1] * self.bsz, [True] * self.bsz, native=self.native)
             hidden = self.model(tokens, batch, self.pool)
             tokens = self.model.logits(hidden[batch.sample_rows]).max(-1).indices
         return clock.rates(self.bsz * steps)
@@ -147,24 +153,32 @@ def measure(path: Path, dtype: str, args: argparse.Namespace) -> dict[str, tuple
     cfg = ModelConfig.from_dir(path)
     bare = MatmulLoop(cfg, DTYPES[dtype], args.batch)
     fwd = ForwardLoop(path, DTYPES[dtype], args.batch, args.prompt_len + args.new_tokens + 1)
-    llm = LLM(path, pp_size=1, dtype=dtype, torch_threads=1)
+    engines = {
+        name: LLM(path, pp_size=1, dtype=dtype, torch_threads=1, cpu_attention=choice)
+        for name, choice in (("engine", "native"), ("torch", "torch"))
+    }
     try:
         seed = 0
-        engine_decode(llm, *(prompts(args.batch, args.prompt_len, cfg.vocab_size, s)
-                             for s in (seed, seed + 1)), 4)  # fmt: skip
+        for llm in engines.values():
+            engine_decode(llm, *(prompts(args.batch, args.prompt_len, cfg.vocab_size, s)
+                                 for s in (seed, seed + 1)), 4)  # fmt: skip
         bare.run(4)
         fwd.run(args.prompt_len, 4)
-        runs: dict[str, list[tuple[float, float]]] = {"engine": [], "forward": [], "matmuls": []}
+        runs: dict[str, list[tuple[float, float]]] = {
+            "engine": [], "torch": [], "forward": [], "matmuls": []
+        }  # fmt: skip
         for r in range(args.repeats):
             seed = 2 * (r + 1)
             first, second = (prompts(args.batch, args.prompt_len, cfg.vocab_size, s)
                              for s in (seed, seed + 1))  # fmt: skip
             runs["matmuls"].append(bare.run(args.new_tokens))
-            runs["engine"].append(engine_decode(llm, first, second, args.new_tokens))
+            for name, llm in engines.items():
+                runs[name].append(engine_decode(llm, first, second, args.new_tokens))
             runs["forward"].append(fwd.run(args.prompt_len, args.new_tokens))
             runs["matmuls"].append(bare.run(args.new_tokens))
     finally:
-        llm.close()
+        for llm in engines.values():
+            llm.close()
     return {k: tuple(statistics.median(r[i] for r in v) for i in (0, 1)) for k, v in runs.items()}
 
 
@@ -183,14 +197,16 @@ def main() -> None:
           f"{args.new_tokens} decode steps, 1 torch thread")  # fmt: skip
     print("tok/s, median of the repeats; ratios against the bare matmul loop")
     print(
-        f"{'dtype':<10}{'clock':<6}{'engine':>9}{'forward':>9}{'matmuls':>9}{'engine/mm':>11}{'fwd/mm':>8}"
+        f"{'dtype':<10}{'clock':<6}{'engine':>9}{'torch':>9}{'forward':>9}{'matmuls':>9}"
+        f"{'engine/mm':>11}{'torch/mm':>10}{'fwd/mm':>8}"
     )
     for dtype in args.dtypes:
         tps = measure(path, dtype, args)
         for i, clock in enumerate(("wall", "cpu")):
-            eng, fwd, mm = tps["engine"][i], tps["forward"][i], tps["matmuls"][i]
+            eng, tor, fwd, mm = (tps[k][i] for k in ("engine", "torch", "forward", "matmuls"))
             print(
-                f"{dtype:<10}{clock:<6}{eng:>9.1f}{fwd:>9.1f}{mm:>9.1f}{eng / mm:>11.2f}{fwd / mm:>8.2f}",
+                f"{dtype:<10}{clock:<6}{eng:>9.1f}{tor:>9.1f}{fwd:>9.1f}{mm:>9.1f}"
+                f"{eng / mm:>11.2f}{tor / mm:>10.2f}{fwd / mm:>8.2f}",
                 flush=True,
             )
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ringserve.benchmark.options import add_arguments as bench_args
 from ringserve.config import (
+    CPU_ATTENTION,
     KV_TOKENS_PER_WAITING,
     PLAN_FOR,
     SPECULATIVE_METHODS,
@@ -135,6 +136,13 @@ def _speculative_args(p: argparse.ArgumentParser, d: dict[str, object]) -> None:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     )
     p.add_argument(
+        "--cpu-attention",
+        choices=CPU_ATTENTION,
+        help="CPU decode attention: native reads the KV pool in place (AVX-512, built with the "
+        "system's C compiler at first use), torch gathers rows and runs SDPA "
+        f"(default {d['cpu_attention']}; native falls back to torch where it cannot build)",
+    )
+    p.add_argument(
         "--no-adaptive-speculation",
         action="store_true",
         help="propose num-speculative-tokens always, whatever the acceptance",
@@ -146,7 +154,7 @@ _PASSED_ON = (
     "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s", "plan_for", "min_kv_tokens",
     "max_waiting_requests", "queue_timeout_s", "host_kv_tokens", "host_kv_mib",
     "structured_outputs_config", "speculative",
-    "num_speculative_tokens", "ngram_max", "ngram_min",
+    "num_speculative_tokens", "ngram_max", "ngram_min", "cpu_attention",
 )  # fmt: skip
 
 

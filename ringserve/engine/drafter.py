@@ -19,14 +19,22 @@ from ringserve.cache.allocator import OutOfSlots, SlotAllocator
 from ringserve.cache.pool import KVPool
 from ringserve.engine.runner import dry_run_slots
 from ringserve.kernels.batch import ForwardBatch
+from ringserve.kernels.cpu_native import CpuDecodeAttention
 
 
 class Drafter:
     """Invariant: `rows[r]` holds the slots of request r's tokens[:len(rows[r])]
     in the draft pool, each slot taken from `allocator` and held by one row."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        device: torch.device,
+        native: CpuDecodeAttention | None = None,
+    ) -> None:
         self.model = model
+        self.native = native
         self.pool = pool
         self.device = device
         self.allocator = SlotAllocator(pool.capacity)
@@ -86,7 +94,9 @@ class Drafter:
 
     def _step(self, rows: list[list[int]], feeds: list[list[int]]) -> list[int]:
         """One forward: each row extends by its feed; the argmax after each."""
-        batch = ForwardBatch.build(rows, [len(f) for f in feeds], [True] * len(rows), self.device)
+        batch = ForwardBatch.build(
+            rows, [len(f) for f in feeds], [True] * len(rows), self.device, self.native
+        )
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)
         hidden = self.model(ids, batch, self.pool)
         logits = self.model.logits(hidden[batch.sample_rows]).float()

@@ -13,6 +13,7 @@ from ringserve.engine.replica import Row
 from ringserve.engine.sampler import Sampler
 from ringserve.engine.verify import Verification, Verifier
 from ringserve.kernels.batch import ForwardBatch
+from ringserve.kernels.cpu_native import CpuDecodeAttention
 from ringserve.ring.messages import Decision, Output
 
 
@@ -28,8 +29,10 @@ class Runner:
         layers: range,
         num_layers: int,
         host: HostPool | None = None,
+        native: CpuDecodeAttention | None = None,
     ) -> None:
         self.model = model
+        self.native = native
         self.pool = pool
         self.host = host
         self.device = device
@@ -46,6 +49,7 @@ class Runner:
             [len(e.tokens) for e in entries],
             [e.sample for e in entries],
             self.device,
+            self.native,
         )
 
     @torch.inference_mode()

@@ -11,8 +11,12 @@ attend over `req_slots`, so attention only ever reads the pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ringserve.kernels.cpu_native import CpuDecodeAttention
 
 
 @dataclass(slots=True)
@@ -34,6 +38,8 @@ class ForwardBatch:
     sample_rows: torch.Tensor  # [S] int64, rows whose logits are sampled
     max_extend: int
     num_tokens: int
+    # the CPU's in-place decode attention, where the runner has one (cpu_native.py)
+    native: CpuDecodeAttention | None = None
 
     @property
     def batch_size(self) -> int:
@@ -54,10 +60,12 @@ class ForwardBatch:
         extend_lens: list[int],
         sample: list[bool],
         device: torch.device | str = "cpu",
+        native: CpuDecodeAttention | None = None,
     ) -> ForwardBatch:
         """`rows[b]` is sequence b's full context (prefix then new slots);
         `extend_lens[b]` how many of them are new; `sample[b]` whether the
-        last new token's logits are sampled."""
+        last new token's logits are sampled. `native`, when given, is the
+        kernel CPU decode passes attend with."""
         if not (len(rows) == len(extend_lens) == len(sample)) or not rows:
             raise ValueError("rows, extend_lens and sample must be equal, non-empty lists")
         seq_lens = [len(r) for r in rows]
@@ -69,8 +77,11 @@ class ForwardBatch:
         seq_t = torch.tensor(seq_lens, dtype=torch.int64)
         dev = torch.device(device)
         if max(extend_lens) == 1:
-            return cls._decode(rows, req_slots, seq_t, sample, dev)
-        return cls._extend(req_slots, seq_t, extend_lens, sample, dev)
+            batch = cls._decode(rows, req_slots, seq_t, sample, dev)
+        else:
+            batch = cls._extend(req_slots, seq_t, extend_lens, sample, dev)
+        batch.native = native
+        return batch
 
     @classmethod
     def _decode(

@@ -44,6 +44,9 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     if not uses_triton(q.device):
+        native = batch.native
+        if native is not None and native.supports(q, k_cache, batch):
+            return native(q, k_cache, v_cache, batch, scale)
         return paged_attention_reference(q, k_cache, v_cache, batch, scale)
     if batch.decode_only:
         return decode.decode_attention(q, k_cache, v_cache, batch, scale)

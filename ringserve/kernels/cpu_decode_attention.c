@@ -1,0 +1,276 @@
+/* Paged decode attention on the CPU: one new query per sequence over its
+ * pooled context, read from the KV pool in place (no gather of K/V rows into
+ * a dense copy first). Built at first use by `cpu_native.py`; the torch
+ * reference (`paged_attention_reference`) is what it is compared with.
+ *
+ * Layout, all contiguous: q and out [B, Hq, D]; k_cache and v_cache
+ * [capacity, Hkv, D]; req_slots [B, W] int64, of which row b's first
+ * seq_lens[b] entries are its context's slots. Hq is a multiple of Hkv: the
+ * Hq / Hkv query heads of one KV head share its K/V reads. Scores and sums
+ * are float32 whatever the storage type; bfloat16 is read and written as its
+ * 16 bits (round to nearest even on output).
+ *
+ * Work items are (sequence, KV head) pairs, split over `threads` threads.
+ */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+typedef struct {
+    const void *q, *k, *v;
+    void *out;
+    const int64_t *slots, *lens;
+    int64_t batch, width, hq, hkv, dim, dtype;
+    float scale;
+    int64_t first, last; /* work items [first, last) */
+    int status;
+} Job;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Rows are scattered over the pool, where the hardware prefetcher cannot
+ * follow: each loop asks for the row AHEAD slots on. */
+enum { AHEAD = 4 };
+
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 3);
+}
+
+/* The three primitives, per storage type: a dot product of a float query
+ * with a stored row, acc += p * row, and x = exp(x - top) returning the sum.
+ * With AVX-512 (and rows a multiple of 16 long) they run 16 lanes at a time;
+ * otherwise as plain loops. */
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+#define DEFINE_VECTOR(SUFFIX, ELEM)                                                           \
+    static inline float dot_##SUFFIX(const float *q, const ELEM *k, int64_t n) {              \
+        __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                              \
+        int64_t d = 0;                                                                        \
+        for (; d + 32 <= n; d += 32) {                                                        \
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(k + d), a);          \
+            b = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 16), load16_##SUFFIX(k + d + 16), b); \
+        }                                                                                     \
+        for (; d < n; d += 16)                                                                \
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(k + d), a);          \
+        return _mm512_reduce_add_ps(_mm512_add_ps(a, b));                                     \
+    }                                                                                         \
+    static inline void axpy_##SUFFIX(float *acc, float p, const ELEM *v, int64_t n) {         \
+        const __m512 w = _mm512_set1_ps(p);                                                   \
+        for (int64_t d = 0; d < n; d += 16)                                                   \
+            _mm512_storeu_ps(acc + d,                                                         \
+                             _mm512_fmadd_ps(w, load16_##SUFFIX(v + d), _mm512_loadu_ps(acc + d))); \
+    }
+DEFINE_VECTOR(f32, float)
+DEFINE_VECTOR(bf16, uint16_t)
+
+/* exp(x) for x <= 0: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of
+ * degree 6 (relative error about 2e-7); below -87 it is 0. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2 = _mm512_set1_ps(0.693147180559945309f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, ln2, x);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+}
+
+static inline float exp_shift(float *x, int64_t n, float top) {
+    const __m512 shift = _mm512_set1_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    int64_t l = 0;
+    for (; l + 16 <= n; l += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + l), shift));
+        _mm512_storeu_ps(x + l, e);
+        total = _mm512_add_ps(total, e);
+    }
+    if (l < n) {
+        __mmask16 rest = (__mmask16)((1u << (n - l)) - 1u);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, x + l), shift));
+        e = _mm512_maskz_mov_ps(rest, e);
+        _mm512_mask_storeu_ps(x + l, rest, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+}
+#define VECTOR_ROWS(dim) ((dim) % 16 == 0)
+#else
+#define DEFINE_VECTOR(SUFFIX, ELEM)                                                           \
+    static inline float dot_##SUFFIX(const float *q, const ELEM *k, int64_t n) {              \
+        (void)q, (void)k, (void)n;                                                            \
+        return 0.0f;                                                                          \
+    }                                                                                         \
+    static inline void axpy_##SUFFIX(float *acc, float p, const ELEM *v, int64_t n) {         \
+        (void)acc, (void)p, (void)v, (void)n;                                                 \
+    }
+DEFINE_VECTOR(f32, float)
+DEFINE_VECTOR(bf16, uint16_t)
+
+static inline float exp_shift(float *x, int64_t n, float top) {
+    float total = 0.0f;
+    for (int64_t l = 0; l < n; ++l) total += (x[l] = expf(x[l] - top));
+    return total;
+}
+#define VECTOR_ROWS(dim) 0
+#endif
+
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+
+/* One (sequence, KV head) work item, for one storage type: ELEM is the
+ * stored element, LOAD turns one into a float, STORE writes a float back. */
+#define DEFINE_ITEM(SUFFIX, ELEM, LOAD, STORE)                                                \
+    static void item_##SUFFIX(const Job *job, int64_t b, int64_t h, float *qf, float *acc,     \
+                              float *scores) {                                                \
+        const int64_t group = job->hq / job->hkv, dim = job->dim, width = job->width;         \
+        const int64_t len = job->lens[b];                                                     \
+        const int64_t *slots = job->slots + b * width;                                        \
+        const int vector = VECTOR_ROWS(dim);                                                  \
+        const ELEM *q = (const ELEM *)job->q + (b * job->hq + h * group) * dim;               \
+        const ELEM *kc = (const ELEM *)job->k, *vc = (const ELEM *)job->v;                    \
+        for (int64_t i = 0; i < group * dim; ++i) qf[i] = LOAD(q[i]) * job->scale;            \
+        for (int64_t l = 0; l < len; ++l) {                                                   \
+            const ELEM *k = kc + (slots[l] * job->hkv + h) * dim;                             \
+            if (l + AHEAD < len)                                                              \
+                prefetch_row(kc + (slots[l + AHEAD] * job->hkv + h) * dim, dim * sizeof(ELEM)); \
+            for (int64_t j = 0; j < group; ++j) {                                             \
+                const float *qj = qf + j * dim;                                               \
+                float s = 0.0f;                                                               \
+                if (vector) {                                                                 \
+                    s = dot_##SUFFIX(qj, k, dim);                                             \
+                } else {                                                                      \
+                    for (int64_t d = 0; d < dim; ++d) s += qj[d] * LOAD(k[d]);                \
+                }                                                                             \
+                scores[j * width + l] = s;                                                    \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t j = 0; j < group; ++j) {                                                 \
+            float *sj = scores + j * width;                                                   \
+            float top = -INFINITY;                                                            \
+            for (int64_t l = 0; l < len; ++l) top = sj[l] > top ? sj[l] : top;                \
+            const float total = exp_shift(sj, len, top);                                      \
+            const float inv = len > 0 ? 1.0f / total : 0.0f;                                  \
+            for (int64_t l = 0; l < len; ++l) sj[l] *= inv;                                   \
+        }                                                                                     \
+        memset(acc, 0, (size_t)(group * dim) * sizeof(float));                               \
+        for (int64_t l = 0; l < len; ++l) {                                                   \
+            const ELEM *v = vc + (slots[l] * job->hkv + h) * dim;                             \
+            if (l + AHEAD < len)                                                              \
+                prefetch_row(vc + (slots[l + AHEAD] * job->hkv + h) * dim, dim * sizeof(ELEM)); \
+            for (int64_t j = 0; j < group; ++j) {                                             \
+                const float p = scores[j * width + l];                                        \
+                float *aj = acc + j * dim;                                                    \
+                if (vector) {                                                                 \
+                    axpy_##SUFFIX(aj, p, v, dim);                                             \
+                } else {                                                                      \
+                    for (int64_t d = 0; d < dim; ++d) aj[d] += p * LOAD(v[d]);                \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        ELEM *o = (ELEM *)job->out + (b * job->hq + h * group) * dim;                         \
+        for (int64_t i = 0; i < group * dim; ++i) o[i] = STORE(acc[i]);                       \
+    }
+
+DEFINE_ITEM(f32, float, F32_LOAD, F32_STORE)
+DEFINE_ITEM(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+static int run_items(Job *job) {
+    const int64_t group = job->hq / job->hkv, dim = job->dim, width = job->width;
+    float *qf = malloc((size_t)(group * dim) * sizeof(float));
+    float *acc = malloc((size_t)(group * dim) * sizeof(float));
+    float *scores = malloc((size_t)(group * (width > 0 ? width : 1)) * sizeof(float));
+    if (!qf || !acc || !scores) {
+        free(qf), free(acc), free(scores);
+        return 1;
+    }
+    for (int64_t item = job->first; item < job->last; ++item) {
+        const int64_t b = item / job->hkv, h = item % job->hkv;
+        if (job->dtype == F32)
+            item_f32(job, b, h, qf, acc, scores);
+        else
+            item_bf16(job, b, h, qf, acc, scores);
+    }
+    free(qf), free(acc), free(scores);
+    return 0;
+}
+
+static void *run_thread(void *arg) {
+    Job *job = arg;
+    job->status = run_items(job);
+    return NULL;
+}
+
+/* Returns 0 on success, 1 when memory ran out, 2 when a thread could not start. */
+int decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                     const int64_t *req_slots, const int64_t *seq_lens, int64_t batch,
+                     int64_t width, int64_t hq, int64_t hkv, int64_t dim, int64_t dtype,
+                     float scale, int64_t threads) {
+    const int64_t items = batch * hkv;
+    if (threads < 1) threads = 1;
+    if (threads > items) threads = items > 0 ? items : 1;
+    Job jobs[threads];
+    pthread_t ids[threads];
+    int started[threads];
+    for (int64_t t = 0; t < threads; ++t) {
+        jobs[t] = (Job){q, k_cache, v_cache, out, req_slots, seq_lens, batch, width, hq, hkv,
+                        dim, dtype, scale, items * t / threads, items * (t + 1) / threads, 0};
+        started[t] = 0;
+    }
+    int status = 0;
+    for (int64_t t = 1; t < threads; ++t) {
+        if (pthread_create(&ids[t], NULL, run_thread, &jobs[t]) == 0)
+            started[t] = 1;
+        else
+            status = 2;
+    }
+    jobs[0].status = run_items(&jobs[0]);
+    for (int64_t t = 1; t < threads; ++t) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        if (jobs[t].status) status = jobs[t].status;
+    }
+    if (jobs[0].status) status = jobs[0].status;
+    return status;
+}
+
+/* 1 when the 16-lane primitives were compiled in (the plain loops are
+ * slower than torch's gather-and-SDPA path, so the caller keeps that). */
+int vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,171 @@
+"""Paged decode attention on the CPU that reads the KV pool in place.
+
+The torch path (`paged_attention_reference`) gathers every sequence's K and
+V rows into dense copies, then runs SDPA over them: on a decode pass the
+gathers alone cost as much as the attention. `cpu_decode_attention.c` walks
+each sequence's slots in the pool instead, 16 lanes at a time with AVX-512.
+
+The C file is compiled at first use with the system's C compiler (`$CC`, or
+`cc`) into a cache directory (`$RINGSERVE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/ringserve`, else `~/.cache/ringserve`), one library per
+source, compiler and CPU, written under a temporary name and renamed into
+place, so ranks starting together never load a half-written file. Where
+there is no compiler, the compile fails, or the CPU has no AVX-512, `load`
+says why in one log line and returns None: attention stays on the torch
+path, which gives the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch
+
+from ringserve.kernels.batch import ForwardBatch
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
+LIBS = ("-lm", "-lpthread")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+COMPILE_TIMEOUT_S = 120.0
+
+
+class CpuDecodeAttention:
+    """The compiled kernel. `supports` says whether a call can take it;
+    `__call__` has `paged_attention_reference`'s contract for decode passes."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.decode_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = (
+            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+        )
+        self._fn = fn
+        self.vectorized = bool(library.vectorized())
+
+    @classmethod
+    def load(cls, cache_dir: Path | None = None) -> CpuDecodeAttention | None:
+        """The kernel built for this machine, compiling it when no cached
+        build exists; None (with the reason logged) when it cannot be had."""
+        compiler = shutil.which(os.environ.get("CC", "cc"))
+        if compiler is None:
+            log.info("cpu_attention.torch", reason="no C compiler ($CC or cc) on PATH")
+            return None
+        try:
+            path = _build(compiler, cache_dir or _cache_dir())
+            kernel = cls(ctypes.CDLL(str(path)))
+        except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+            log.info("cpu_attention.torch", reason=f"the kernel did not build: {exc}")
+            return None
+        if not kernel.vectorized:
+            log.info("cpu_attention.torch", reason="this CPU has no AVX-512")
+            return None
+        log.info("cpu_attention.native", library=str(path))
+        return kernel
+
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch) -> bool:
+        return (
+            batch.decode_only
+            and q.device.type == "cpu"
+            and q.dtype in DTYPE_CODES
+            and k_cache.dtype == q.dtype
+            and q.shape[-1] % 16 == 0
+            and q.shape[1] % k_cache.shape[1] == 0
+            and k_cache.is_contiguous()
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """[B, Hq, D] queries (one per sequence) -> [B, Hq, D] outputs."""
+        q = q.contiguous()
+        slots, lens = batch.req_slots.contiguous(), batch.seq_lens.contiguous()
+        if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+            raise ValueError("k_cache and v_cache must be contiguous tensors of one shape")
+        if q.shape[0] != slots.shape[0]:
+            raise ValueError(f"{q.shape[0]} queries for {slots.shape[0]} sequences")
+        out = torch.empty_like(q)
+        status = self._fn(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            slots.data_ptr(),
+            lens.data_ptr(),
+            slots.shape[0],
+            slots.shape[1],
+            q.shape[1],
+            k_cache.shape[1],
+            q.shape[2],
+            DTYPE_CODES[q.dtype],
+            scale,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError(f"CPU decode attention failed (status {status})")
+        return out
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("RINGSERVE_CACHE_DIR"):
+        return Path(os.environ["RINGSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ringserve"
+
+
+def _build(compiler: str, cache_dir: Path) -> Path:
+    """The cached library for this source, compiler and CPU, compiled first
+    when missing."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), version.encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
+        key.update(part)
+    path = cache_dir / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
+    if path.is_file():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native compiles for them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

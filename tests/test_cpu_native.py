@@ -1,0 +1,137 @@
+"""The CPU's in-place decode attention against the torch reference, its
+fallback where it cannot build, and the engine's output with it and without."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringserve import LLM, SamplingParams
+from ringserve.config import EngineConfig
+from ringserve.kernels import ops
+from ringserve.kernels.attention_reference import paged_attention_reference
+from ringserve.kernels.batch import ForwardBatch
+from ringserve.kernels.cpu_native import CpuDecodeAttention
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> CpuDecodeAttention:
+    built = CpuDecodeAttention.load(tmp_path_factory.mktemp("native"))
+    if built is None:
+        pytest.skip("the native kernel does not build on this machine (see its log line)")
+    return built
+
+
+def decode_case(
+    seed: int, bsz: int, hq: int, hkv: int, dim: int, dtype: torch.dtype, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
+    """A pool of scattered rows and a decode batch over it: each sequence's
+    slots are a random, unordered subset, its length anything from 1."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    capacity = bsz * max_len + 1
+    k_cache = torch.randn(capacity, hkv, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(capacity, hkv, dim, generator=gen).to(dtype)
+    free = list(range(1, capacity))
+    rng.shuffle(free)
+    rows = []
+    for _ in range(bsz):
+        n = rng.randint(1, max_len)
+        rows.append([free.pop() for _ in range(n)])
+    q = torch.randn(bsz, hq, dim, generator=gen).to(dtype) * 2
+    return q, k_cache, v_cache, ForwardBatch.build(rows, [1] * bsz, [True] * bsz)
+
+
+SHAPES = [  # batch, query heads, KV heads, head dim, longest context
+    (1, 4, 4, 16, 1),
+    (5, 8, 2, 64, 40),
+    (7, 16, 8, 64, 90),
+    (3, 8, 1, 128, 300),
+    (9, 6, 3, 32, 17),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_native_decode_attention_equals_the_reference(kernel, shape, dtype):
+    q, k_cache, v_cache, batch = decode_case(sum(shape), *shape[:4], dtype, shape[4])
+    assert kernel.supports(q, k_cache, batch)
+    scale = shape[3] ** -0.5
+    got = kernel(q, k_cache, v_cache, batch, scale)
+    want = paged_attention_reference(q, k_cache, v_cache, batch, scale)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    else:  # both accumulate in float32; they may round the last bit apart
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_native_threads_split_the_work_and_agree(kernel):
+    q, k_cache, v_cache, batch = decode_case(3, 6, 8, 2, 64, torch.float32, 50)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, k_cache, v_cache, batch, 0.125)
+        torch.set_num_threads(3)
+        three = kernel(q, k_cache, v_cache, batch, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+
+
+def test_ops_attend_natively_only_where_the_kernel_applies(kernel):
+    q, k_cache, v_cache, batch = decode_case(5, 4, 8, 4, 64, torch.float32, 30)
+    batch.native = kernel
+    torch.testing.assert_close(
+        ops.paged_attention(q, k_cache, v_cache, batch, 0.125),
+        paged_attention_reference(q, k_cache, v_cache, batch, 0.125),
+    )
+    rows = [list(range(1, 6)), list(range(6, 9))]
+    extend = ForwardBatch.build(rows, [3, 2], [True, True], native=kernel)
+    assert not kernel.supports(torch.zeros(5, 8, 64), k_cache, extend)  # many queries per row
+    odd = torch.zeros(4, 8, 24)  # a head size the 16 lanes do not divide
+    assert not kernel.supports(odd, torch.zeros(10, 4, 24), batch)
+    assert not kernel.supports(q.half(), k_cache.half(), batch)
+
+
+def test_no_compiler_or_a_failed_compile_leaves_the_torch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert CpuDecodeAttention.load(tmp_path / "a") is None
+    monkeypatch.setenv("CC", "false")  # found on PATH, fails every command
+    assert CpuDecodeAttention.load(tmp_path / "b") is None
+    assert not any((tmp_path / "b").glob("*.so"))  # no half-written library left
+
+
+def test_a_cached_build_is_reused(kernel, tmp_path):
+    first = CpuDecodeAttention.load(tmp_path)
+    assert first is not None
+    libraries = list(tmp_path.glob("*.so"))
+    assert len(libraries) == 1
+    stamp = libraries[0].stat().st_mtime_ns
+    assert CpuDecodeAttention.load(tmp_path) is not None
+    assert [p.stat().st_mtime_ns for p in tmp_path.glob("*.so")] == [stamp]
+
+
+def test_cpu_attention_must_be_a_known_choice():
+    with pytest.raises(ValueError, match="cpu_attention"):
+        EngineConfig(model_dir=Path("."), cpu_attention="fast")
+
+
+@pytest.mark.timeout(240)
+def test_the_engine_decodes_the_same_tokens_with_either_attention(kernel):
+    prompts = [[5, 9, 14, 3], [7] * 12, list(range(3, 40))]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = {}
+    for choice in ("native", "torch"):
+        llm = LLM(cpu_attention=choice, torch_threads=1)
+        try:
+            runner = llm._ring.conductor.stage.runner
+            assert (runner.native is not None) == (choice == "native")
+            outputs[choice] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.close()
+    assert outputs["native"] == outputs["torch"]
+    assert all(len(t) == 24 for t in outputs["native"])
