@@ -10,7 +10,7 @@
  * are float32 whatever the storage type; bfloat16 is read and written as its
  * 16 bits (round to nearest even on output).
  *
- * Work items are (sequence, KV head) pairs, split over `threads` threads.
+ * Work items are sequences, split over `threads` threads.
  */
 
 #include <math.h>
@@ -150,78 +150,81 @@ static inline float exp_shift(float *x, int64_t n, float top) {
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
 
-/* One (sequence, KV head) work item, for one storage type: ELEM is the
- * stored element, LOAD turns one into a float, STORE writes a float back. */
+/* One sequence's attention, for one storage type: ELEM is the stored
+ * element, LOAD turns one into a float, STORE writes a float back. A slot's
+ * K (or V) row holds every KV head, so each row is read once, front to back,
+ * for all the heads: one scattered access per slot instead of one per head. */
 #define DEFINE_ITEM(SUFFIX, ELEM, LOAD, STORE)                                                \
-    static void item_##SUFFIX(const Job *job, int64_t b, int64_t h, float *qf, float *acc,     \
+    static void item_##SUFFIX(const Job *job, int64_t b, float *qf, float *acc,               \
                               float *scores) {                                                \
-        const int64_t group = job->hq / job->hkv, dim = job->dim, width = job->width;         \
-        const int64_t len = job->lens[b];                                                     \
+        const int64_t hq = job->hq, hkv = job->hkv, group = hq / hkv, dim = job->dim;         \
+        const int64_t width = job->width, len = job->lens[b], row_len = hkv * dim;            \
         const int64_t *slots = job->slots + b * width;                                        \
         const int vector = VECTOR_ROWS(dim);                                                  \
-        const ELEM *q = (const ELEM *)job->q + (b * job->hq + h * group) * dim;               \
+        const ELEM *q = (const ELEM *)job->q + b * hq * dim;                                  \
         const ELEM *kc = (const ELEM *)job->k, *vc = (const ELEM *)job->v;                    \
-        for (int64_t i = 0; i < group * dim; ++i) qf[i] = LOAD(q[i]) * job->scale;            \
+        for (int64_t i = 0; i < hq * dim; ++i) qf[i] = LOAD(q[i]) * job->scale;               \
         for (int64_t l = 0; l < len; ++l) {                                                   \
-            const ELEM *k = kc + (slots[l] * job->hkv + h) * dim;                             \
+            const ELEM *row = kc + slots[l] * row_len;                                        \
             if (l + AHEAD < len)                                                              \
-                prefetch_row(kc + (slots[l + AHEAD] * job->hkv + h) * dim, dim * sizeof(ELEM)); \
-            for (int64_t j = 0; j < group; ++j) {                                             \
-                const float *qj = qf + j * dim;                                               \
+                prefetch_row(kc + slots[l + AHEAD] * row_len, row_len * sizeof(ELEM));        \
+            for (int64_t i = 0; i < hq; ++i) {                                                \
+                const ELEM *k = row + (i / group) * dim;                                      \
+                const float *qi = qf + i * dim;                                               \
                 float s = 0.0f;                                                               \
                 if (vector) {                                                                 \
-                    s = dot_##SUFFIX(qj, k, dim);                                             \
+                    s = dot_##SUFFIX(qi, k, dim);                                             \
                 } else {                                                                      \
-                    for (int64_t d = 0; d < dim; ++d) s += qj[d] * LOAD(k[d]);                \
+                    for (int64_t d = 0; d < dim; ++d) s += qi[d] * LOAD(k[d]);                \
                 }                                                                             \
-                scores[j * width + l] = s;                                                    \
+                scores[i * width + l] = s;                                                    \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t j = 0; j < group; ++j) {                                                 \
-            float *sj = scores + j * width;                                                   \
+        for (int64_t i = 0; i < hq; ++i) {                                                    \
+            float *si = scores + i * width;                                                   \
             float top = -INFINITY;                                                            \
-            for (int64_t l = 0; l < len; ++l) top = sj[l] > top ? sj[l] : top;                \
-            const float total = exp_shift(sj, len, top);                                      \
+            for (int64_t l = 0; l < len; ++l) top = si[l] > top ? si[l] : top;                \
+            const float total = exp_shift(si, len, top);                                      \
             const float inv = len > 0 ? 1.0f / total : 0.0f;                                  \
-            for (int64_t l = 0; l < len; ++l) sj[l] *= inv;                                   \
+            for (int64_t l = 0; l < len; ++l) si[l] *= inv;                                   \
         }                                                                                     \
-        memset(acc, 0, (size_t)(group * dim) * sizeof(float));                               \
+        memset(acc, 0, (size_t)(hq * dim) * sizeof(float));                                  \
         for (int64_t l = 0; l < len; ++l) {                                                   \
-            const ELEM *v = vc + (slots[l] * job->hkv + h) * dim;                             \
+            const ELEM *row = vc + slots[l] * row_len;                                        \
             if (l + AHEAD < len)                                                              \
-                prefetch_row(vc + (slots[l + AHEAD] * job->hkv + h) * dim, dim * sizeof(ELEM)); \
-            for (int64_t j = 0; j < group; ++j) {                                             \
-                const float p = scores[j * width + l];                                        \
-                float *aj = acc + j * dim;                                                    \
+                prefetch_row(vc + slots[l + AHEAD] * row_len, row_len * sizeof(ELEM));        \
+            for (int64_t i = 0; i < hq; ++i) {                                                \
+                const ELEM *v = row + (i / group) * dim;                                      \
+                const float p = scores[i * width + l];                                        \
+                float *ai = acc + i * dim;                                                    \
                 if (vector) {                                                                 \
-                    axpy_##SUFFIX(aj, p, v, dim);                                             \
+                    axpy_##SUFFIX(ai, p, v, dim);                                             \
                 } else {                                                                      \
-                    for (int64_t d = 0; d < dim; ++d) aj[d] += p * LOAD(v[d]);                \
+                    for (int64_t d = 0; d < dim; ++d) ai[d] += p * LOAD(v[d]);                \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        ELEM *o = (ELEM *)job->out + (b * job->hq + h * group) * dim;                         \
-        for (int64_t i = 0; i < group * dim; ++i) o[i] = STORE(acc[i]);                       \
+        ELEM *o = (ELEM *)job->out + b * hq * dim;                                            \
+        for (int64_t i = 0; i < hq * dim; ++i) o[i] = STORE(acc[i]);                          \
     }
 
 DEFINE_ITEM(f32, float, F32_LOAD, F32_STORE)
 DEFINE_ITEM(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 static int run_items(Job *job) {
-    const int64_t group = job->hq / job->hkv, dim = job->dim, width = job->width;
-    float *qf = malloc((size_t)(group * dim) * sizeof(float));
-    float *acc = malloc((size_t)(group * dim) * sizeof(float));
-    float *scores = malloc((size_t)(group * (width > 0 ? width : 1)) * sizeof(float));
+    const int64_t hq = job->hq, dim = job->dim, width = job->width;
+    float *qf = malloc((size_t)(hq * dim) * sizeof(float));
+    float *acc = malloc((size_t)(hq * dim) * sizeof(float));
+    float *scores = malloc((size_t)(hq * (width > 0 ? width : 1)) * sizeof(float));
     if (!qf || !acc || !scores) {
         free(qf), free(acc), free(scores);
         return 1;
     }
-    for (int64_t item = job->first; item < job->last; ++item) {
-        const int64_t b = item / job->hkv, h = item % job->hkv;
+    for (int64_t b = job->first; b < job->last; ++b) {
         if (job->dtype == F32)
-            item_f32(job, b, h, qf, acc, scores);
+            item_f32(job, b, qf, acc, scores);
         else
-            item_bf16(job, b, h, qf, acc, scores);
+            item_bf16(job, b, qf, acc, scores);
     }
     free(qf), free(acc), free(scores);
     return 0;
@@ -238,7 +241,7 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
                      const int64_t *req_slots, const int64_t *seq_lens, int64_t batch,
                      int64_t width, int64_t hq, int64_t hkv, int64_t dim, int64_t dtype,
                      float scale, int64_t threads) {
-    const int64_t items = batch * hkv;
+    const int64_t items = batch;
     if (threads < 1) threads = 1;
     if (threads > items) threads = items > 0 ? items : 1;
     Job jobs[threads];

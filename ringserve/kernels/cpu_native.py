@@ -74,8 +74,12 @@ class CpuDecodeAttention:
         return kernel
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch) -> bool:
+        """A decode pass of a storage type and head size the kernel knows.
+        Its threads split the sequences: with more threads than sequences
+        SDPA, which splits heads too, keeps the pass."""
         return (
             batch.decode_only
+            and torch.get_num_threads() <= batch.batch_size
             and q.device.type == "cpu"
             and q.dtype in DTYPE_CODES
             and k_cache.dtype == q.dtype
