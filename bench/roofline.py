@@ -7,11 +7,11 @@ once under --model-dir. For each dtype, with one torch thread:
 
 * engine:  `LLM(model, pp_size=1)` decoding `--batch` concurrent greedy
            requests (scheduler, caches, sampler included), its decode
-           attention reading the KV pool in place (`--cpu-attention
+           attention reading the KV pool in place (`--cpu-kernels
            native`). Decode time is the time of a run generating 1 + N
            tokens less that of a run generating 1 token from prompts of the
            same length, so prefill is left out.
-* torch:   the same engine with `--cpu-attention torch` (K/V rows gathered
+* torch:   the same engine with `--cpu-kernels torch` (K/V rows gathered
            out of the pool, then SDPA).
 * forward: the model slice's decode forward in a loop (batch building,
            layers, head, argmax): the engine without its scheduler, native
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from ringserve import LLM, SamplingParams  # noqa: E402
 from ringserve.cache.pool import KVPool  # noqa: E402
 from ringserve.kernels.batch import ForwardBatch  # noqa: E402
-from ringserve.kernels.cpu_native import CpuDecodeAttention  # noqa: E402
+from ringserve.kernels.cpu_native import CpuKernels  # noqa: E402
 from ringserve.models.config import ModelConfig  # noqa: E402
 from ringserve.models.loader import load_model  # noqa: E402
 from tests.model_factory import llama_100m  # noqa: E402
@@ -102,7 +102,7 @@ class ForwardLoop:
         cfg = self.cfg
         self.pool = KVPool(cfg.num_layers, bsz * context + 1, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.bsz, self.context = bsz, context
-        self.native = CpuDecodeAttention.load()
+        self.native = CpuKernels.load()
 
     @torch.inference_mode()
     def run(self, prompt_len: int, steps: int) -> tuple[float, float]:
@@ -154,7 +154,7 @@ def measure(path: Path, dtype: str, args: argparse.Namespace) -> dict[str, tuple
     bare = MatmulLoop(cfg, DTYPES[dtype], args.batch)
     fwd = ForwardLoop(path, DTYPES[dtype], args.batch, args.prompt_len + args.new_tokens + 1)
     engines = {
-        name: LLM(path, pp_size=1, dtype=dtype, torch_threads=1, cpu_attention=choice)
+        name: LLM(path, pp_size=1, dtype=dtype, torch_threads=1, cpu_kernels=choice)
         for name, choice in (("engine", "native"), ("torch", "torch"))
     }
     try:

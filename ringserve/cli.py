@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ringserve.benchmark.options import add_arguments as bench_args
 from ringserve.config import (
-    CPU_ATTENTION,
+    CPU_KERNELS,
     KV_TOKENS_PER_WAITING,
     PLAN_FOR,
     SPECULATIVE_METHODS,
@@ -136,11 +136,11 @@ def _speculative_args(p: argparse.ArgumentParser, d: dict[str, object]) -> None:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     )
     p.add_argument(
-        "--cpu-attention",
-        choices=CPU_ATTENTION,
+        "--cpu-kernels",
+        choices=CPU_KERNELS,
         help="CPU decode attention: native reads the KV pool in place (AVX-512, built with the "
         "system's C compiler at first use), torch gathers rows and runs SDPA "
-        f"(default {d['cpu_attention']}; native falls back to torch where it cannot build)",
+        f"(default {d['cpu_kernels']}; native falls back to torch where it cannot build)",
     )
     p.add_argument(
         "--no-adaptive-speculation",
@@ -154,7 +154,7 @@ _PASSED_ON = (
     "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s", "plan_for", "min_kv_tokens",
     "max_waiting_requests", "queue_timeout_s", "host_kv_tokens", "host_kv_mib",
     "structured_outputs_config", "speculative",
-    "num_speculative_tokens", "ngram_max", "ngram_min", "cpu_attention",
+    "num_speculative_tokens", "ngram_max", "ngram_min", "cpu_kernels",
 )  # fmt: skip
 
 

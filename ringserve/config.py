@@ -12,7 +12,7 @@ SERVING_DTYPES = ("bfloat16", "float32")
 PLAN_FOR = ("capacity", "throughput", "balanced")  # what the planner optimises (plan/objective.py)
 KV_TOKENS_PER_WAITING = 16  # the default queue bound: one waiting request per this many KV slots
 SPECULATIVE_METHODS = ("ngram", "draft")  # who proposes speculative tokens (sched/speculation.py)
-CPU_ATTENTION = ("native", "torch")  # how CPU decode passes attend (kernels/cpu_native.py)
+CPU_KERNELS = ("native", "torch")  # how CPU decode passes attend (kernels/cpu_native.py)
 
 
 class UserError(ValueError):
@@ -85,13 +85,13 @@ class EngineConfig:
     speculative_adaptive: bool = True  # k per request follows its acceptance
     # CPU decode attention: "native" reads the KV pool in place (kernels/cpu_native.py)
     # where it builds, "torch" always gathers and runs SDPA
-    cpu_attention: str = "native"
+    cpu_kernels: str = "native"
 
     def __post_init__(self) -> None:
         self._check_speculative()
-        if self.cpu_attention not in CPU_ATTENTION:
+        if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(
-                f"cpu_attention must be one of {list(CPU_ATTENTION)}, not {self.cpu_attention!r}"
+                f"cpu_kernels must be one of {list(CPU_KERNELS)}, not {self.cpu_kernels!r}"
             )
         if self.plan_for not in PLAN_FOR:
             raise ValueError(f"plan_for must be one of {list(PLAN_FOR)}, not {self.plan_for!r}")

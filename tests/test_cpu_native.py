@@ -13,13 +13,14 @@ from ringserve import LLM, SamplingParams
 from ringserve.config import EngineConfig
 from ringserve.kernels import ops
 from ringserve.kernels.attention_reference import paged_attention_reference
+from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_reference
 from ringserve.kernels.batch import ForwardBatch
-from ringserve.kernels.cpu_native import CpuDecodeAttention
+from ringserve.kernels.cpu_native import CpuKernels
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> CpuDecodeAttention:
-    built = CpuDecodeAttention.load(tmp_path_factory.mktemp("native"))
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    built = CpuKernels.load(tmp_path_factory.mktemp("native"))
     if built is None:
         pytest.skip("the native kernel does not build on this machine (see its log line)")
     return built
@@ -58,9 +59,9 @@ SHAPES = [  # batch, query heads, KV heads, head dim, longest context
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_native_decode_attention_equals_the_reference(kernel, shape, dtype):
     q, k_cache, v_cache, batch = decode_case(sum(shape), *shape[:4], dtype, shape[4])
-    assert kernel.supports(q, k_cache, batch)
+    assert kernel.supports_decode(q, k_cache, batch)
     scale = shape[3] ** -0.5
-    got = kernel(q, k_cache, v_cache, batch, scale)
+    got = kernel.decode_attention(q, k_cache, v_cache, batch, scale)
     want = paged_attention_reference(q, k_cache, v_cache, batch, scale)
     assert got.dtype == want.dtype and got.shape == want.shape
     if dtype == torch.float32:
@@ -74,9 +75,9 @@ def test_native_threads_split_the_work_and_agree(kernel):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel(q, k_cache, v_cache, batch, 0.125)
+        one = kernel.decode_attention(q, k_cache, v_cache, batch, 0.125)
         torch.set_num_threads(3)
-        three = kernel(q, k_cache, v_cache, batch, 0.125)
+        three = kernel.decode_attention(q, k_cache, v_cache, batch, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, three)
@@ -91,33 +92,72 @@ def test_ops_attend_natively_only_where_the_kernel_applies(kernel):
     )
     rows = [list(range(1, 6)), list(range(6, 9))]
     extend = ForwardBatch.build(rows, [3, 2], [True, True], native=kernel)
-    assert not kernel.supports(torch.zeros(5, 8, 64), k_cache, extend)  # many queries per row
+    assert not kernel.supports_decode(
+        torch.zeros(5, 8, 64), k_cache, extend
+    )  # many queries per row
     odd = torch.zeros(4, 8, 24)  # a head size the 16 lanes do not divide
-    assert not kernel.supports(odd, torch.zeros(10, 4, 24), batch)
-    assert not kernel.supports(q.half(), k_cache.half(), batch)
+    assert not kernel.supports_decode(odd, torch.zeros(10, 4, 24), batch)
+    assert not kernel.supports_decode(q.half(), k_cache.half(), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,width", [(1, 16), (7, 1024), (5, 40)])  # 40: no 16 lanes
+def test_native_add_rmsnorm_equals_the_reference(kernel, rows, width, dtype):
+    gen = torch.Generator().manual_seed(rows * width)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, width, generator=gen).to(dtype)
+    weight = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+    assert kernel.supports_norm(x, weight)
+    normed, summed = kernel.add_rmsnorm(x, residual, weight, 1e-6)
+    want_normed, want_summed = add_rmsnorm_reference(x, residual, weight, 1e-6)
+    assert torch.equal(summed, want_summed)  # one rounded add: no room to differ
+    alone, nothing = kernel.add_rmsnorm(x, None, weight, 1e-6)
+    assert nothing is None
+    if dtype == torch.float32:
+        torch.testing.assert_close(normed, want_normed, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(alone, rmsnorm_reference(x, weight, 1e-6), atol=1e-5, rtol=1e-5)
+    else:  # the float32 mean may round apart, and then one bfloat16 step
+        torch.testing.assert_close(normed.float(), want_normed.float(), atol=0, rtol=1e-2)
+        torch.testing.assert_close(
+            alone.float(), rmsnorm_reference(x, weight, 1e-6).float(), atol=0, rtol=1e-2
+        )
+        assert (normed == want_normed).float().mean() > 0.99
+
+
+def test_norms_take_the_kernel_only_for_rows_it_knows(kernel):
+    weight = torch.ones(64)
+    assert not kernel.supports_norm(torch.zeros(4, 2, 64), weight)  # heads: not rows
+    assert not kernel.supports_norm(torch.zeros(64, 4).t(), weight)  # not contiguous
+    assert not kernel.supports_norm(torch.zeros(4, 64).half(), weight.half())
+    assert not kernel.supports_norm(torch.zeros(4, 64), torch.ones(32))
+    x, residual = torch.randn(3, 64), torch.randn(3, 64)
+    torch.testing.assert_close(
+        ops.add_rmsnorm(x, residual, weight, 1e-5, kernel),
+        add_rmsnorm_reference(x, residual, weight, 1e-5),
+    )
 
 
 def test_no_compiler_or_a_failed_compile_leaves_the_torch_path(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert CpuDecodeAttention.load(tmp_path / "a") is None
+    assert CpuKernels.load(tmp_path / "a") is None
     monkeypatch.setenv("CC", "false")  # found on PATH, fails every command
-    assert CpuDecodeAttention.load(tmp_path / "b") is None
+    assert CpuKernels.load(tmp_path / "b") is None
     assert not any((tmp_path / "b").glob("*.so"))  # no half-written library left
 
 
 def test_a_cached_build_is_reused(kernel, tmp_path):
-    first = CpuDecodeAttention.load(tmp_path)
+    first = CpuKernels.load(tmp_path)
     assert first is not None
     libraries = list(tmp_path.glob("*.so"))
     assert len(libraries) == 1
     stamp = libraries[0].stat().st_mtime_ns
-    assert CpuDecodeAttention.load(tmp_path) is not None
+    assert CpuKernels.load(tmp_path) is not None
     assert [p.stat().st_mtime_ns for p in tmp_path.glob("*.so")] == [stamp]
 
 
-def test_cpu_attention_must_be_a_known_choice():
-    with pytest.raises(ValueError, match="cpu_attention"):
-        EngineConfig(model_dir=Path("."), cpu_attention="fast")
+def test_cpu_kernels_must_be_a_known_choice():
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        EngineConfig(model_dir=Path("."), cpu_kernels="fast")
 
 
 @pytest.mark.timeout(240)
@@ -126,7 +166,7 @@ def test_the_engine_decodes_the_same_tokens_with_either_attention(kernel):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = {}
     for choice in ("native", "torch"):
-        llm = LLM(cpu_attention=choice, torch_threads=1)
+        llm = LLM(cpu_kernels=choice, torch_threads=1)
         try:
             runner = llm._ring.conductor.stage.runner
             assert (runner.native is not None) == (choice == "native")

@@ -52,7 +52,7 @@ def test_switch_sends_cuda_tensors_to_triton_and_the_rest_to_torch():
 
 
 @pytest.mark.parametrize("extend_lens", [[1, 1], [3, 1]])
-def test_cpu_attention_runs_the_reference(extend_lens):
+def test_cpu_kernels_runs_the_reference(extend_lens):
     q, k, v, batch = attention_case(extend_lens, "cpu")
     expected = paged_attention_reference(q, k, v, batch, 0.25)
     assert torch.equal(ops.paged_attention(q, k, v, batch, 0.25), expected)

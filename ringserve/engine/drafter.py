@@ -19,7 +19,7 @@ from ringserve.cache.allocator import OutOfSlots, SlotAllocator
 from ringserve.cache.pool import KVPool
 from ringserve.engine.runner import dry_run_slots
 from ringserve.kernels.batch import ForwardBatch
-from ringserve.kernels.cpu_native import CpuDecodeAttention
+from ringserve.kernels.cpu_native import CpuKernels
 
 
 class Drafter:
@@ -31,7 +31,7 @@ class Drafter:
         model: torch.nn.Module,
         pool: KVPool,
         device: torch.device,
-        native: CpuDecodeAttention | None = None,
+        native: CpuKernels | None = None,
     ) -> None:
         self.model = model
         self.native = native

@@ -13,7 +13,7 @@ from ringserve.engine.replica import Row
 from ringserve.engine.sampler import Sampler
 from ringserve.engine.verify import Verification, Verifier
 from ringserve.kernels.batch import ForwardBatch
-from ringserve.kernels.cpu_native import CpuDecodeAttention
+from ringserve.kernels.cpu_native import CpuKernels
 from ringserve.ring.messages import Decision, Output
 
 
@@ -29,7 +29,7 @@ class Runner:
         layers: range,
         num_layers: int,
         host: HostPool | None = None,
-        native: CpuDecodeAttention | None = None,
+        native: CpuKernels | None = None,
     ) -> None:
         self.model = model
         self.native = native

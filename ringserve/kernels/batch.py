@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ringserve.kernels.cpu_native import CpuDecodeAttention
+    from ringserve.kernels.cpu_native import CpuKernels
 
 
 @dataclass(slots=True)
@@ -39,7 +39,7 @@ class ForwardBatch:
     max_extend: int
     num_tokens: int
     # the CPU's in-place decode attention, where the runner has one (cpu_native.py)
-    native: CpuDecodeAttention | None = None
+    native: CpuKernels | None = None
 
     @property
     def batch_size(self) -> int:
@@ -60,7 +60,7 @@ class ForwardBatch:
         extend_lens: list[int],
         sample: list[bool],
         device: torch.device | str = "cpu",
-        native: CpuDecodeAttention | None = None,
+        native: CpuKernels | None = None,
     ) -> ForwardBatch:
         """`rows[b]` is sequence b's full context (prefix then new slots);
         `extend_lens[b]` how many of them are new; `sample[b]` whether the

@@ -1,9 +1,12 @@
-"""Paged decode attention on the CPU that reads the KV pool in place.
+"""CPU kernels where torch's own ops pay for copies or many passes.
 
-The torch path (`paged_attention_reference`) gathers every sequence's K and
-V rows into dense copies, then runs SDPA over them: on a decode pass the
-gathers alone cost as much as the attention. `cpu_decode_attention.c` walks
-each sequence's slots in the pool instead, 16 lanes at a time with AVX-512.
+* Paged decode attention that reads the KV pool in place. The torch path
+  (`paged_attention_reference`) gathers every sequence's K and V rows into
+  dense copies, then runs SDPA over them: on a decode pass the gathers alone
+  cost as much as the attention. `cpu_kernels.c` walks each sequence's slots
+  in the pool instead, 16 lanes at a time with AVX-512.
+* The residual add and RMSNorm in one pass per row (torch's bfloat16
+  rms_norm runs as several ops, each a pass over the activations).
 
 The C file is compiled at first use with the system's C compiler (`$CC`, or
 `cc`) into a cache directory (`$RINGSERVE_CACHE_DIR`, else
@@ -33,16 +36,19 @@ from ringserve.kernels.batch import ForwardBatch
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
 LIBS = ("-lm", "-lpthread")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 COMPILE_TIMEOUT_S = 120.0
 
 
-class CpuDecodeAttention:
-    """The compiled kernel. `supports` says whether a call can take it;
-    `__call__` has `paged_attention_reference`'s contract for decode passes."""
+class CpuKernels:
+    """The compiled kernels. `supports_decode` and `supports_norm` say
+    whether a call can take them; `decode_attention` has
+    `paged_attention_reference`'s contract for decode passes, `add_rmsnorm`
+    that of `add_rmsnorm_reference` (and of `rmsnorm_reference` with no
+    residual)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.decode_attention
@@ -51,29 +57,35 @@ class CpuDecodeAttention:
             [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
         )
         self._fn = fn
+        norm = library.add_rmsnorm
+        norm.restype = ctypes.c_int
+        norm.argtypes = (
+            [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64]
+        )
+        self._norm = norm
         self.vectorized = bool(library.vectorized())
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None) -> CpuDecodeAttention | None:
+    def load(cls, cache_dir: Path | None = None) -> CpuKernels | None:
         """The kernel built for this machine, compiling it when no cached
         build exists; None (with the reason logged) when it cannot be had."""
         compiler = shutil.which(os.environ.get("CC", "cc"))
         if compiler is None:
-            log.info("cpu_attention.torch", reason="no C compiler ($CC or cc) on PATH")
+            log.info("cpu_kernels.torch", reason="no C compiler ($CC or cc) on PATH")
             return None
         try:
             path = _build(compiler, cache_dir or _cache_dir())
             kernel = cls(ctypes.CDLL(str(path)))
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-            log.info("cpu_attention.torch", reason=f"the kernel did not build: {exc}")
+            log.info("cpu_kernels.torch", reason=f"the kernel did not build: {exc}")
             return None
         if not kernel.vectorized:
-            log.info("cpu_attention.torch", reason="this CPU has no AVX-512")
+            log.info("cpu_kernels.torch", reason="this CPU has no AVX-512")
             return None
-        log.info("cpu_attention.native", library=str(path))
+        log.info("cpu_kernels.native", library=str(path))
         return kernel
 
-    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch) -> bool:
+    def supports_decode(self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch) -> bool:
         """A decode pass of a storage type and head size the kernel knows.
         Its threads split the sequences: with more threads than sequences
         SDPA, which splits heads too, keeps the pass."""
@@ -88,7 +100,7 @@ class CpuDecodeAttention:
             and k_cache.is_contiguous()
         )
 
-    def __call__(
+    def decode_attention(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -124,6 +136,49 @@ class CpuDecodeAttention:
             raise MemoryError(f"CPU decode attention failed (status {status})")
         return out
 
+    def supports_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Rows of a storage type the kernel knows, the weight as long as a row."""
+        return (
+            x.device.type == "cpu"
+            and x.dim() == 2
+            and x.dtype in DTYPE_CODES
+            and weight.dtype == x.dtype
+            and weight.shape == x.shape[-1:]
+            and x.is_contiguous()
+            and weight.is_contiguous()
+        )
+
+    def add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rmsnorm(x + residual), x + residual), as `add_rmsnorm_reference`;
+        with no residual, (rmsnorm(x), None) as `rmsnorm_reference`."""
+        out = torch.empty_like(x)
+        summed = None
+        if residual is not None:
+            residual = residual.contiguous()
+            if residual.shape != x.shape or residual.dtype != x.dtype:
+                raise ValueError("the residual must have the rows' shape and dtype")
+            summed = torch.empty_like(x)
+        status = self._norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            None if summed is None else summed.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            DTYPE_CODES[x.dtype],
+        )
+        if status != 0:
+            raise MemoryError(f"CPU add_rmsnorm failed (status {status})")
+        return out, summed
+
 
 def _cache_dir() -> Path:
     if os.environ.get("RINGSERVE_CACHE_DIR"):
@@ -142,7 +197,7 @@ def _build(compiler: str, cache_dir: Path) -> Path:
     for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), version.encode(),
                  platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
-    path = cache_dir / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
+    path = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if path.is_file():
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from ringserve.kernels import sample as triton_sample
 from ringserve.kernels import store_kv as triton_store
 from ringserve.kernels.attention_reference import paged_attention_reference, store_kv_reference
 from ringserve.kernels.batch import ForwardBatch
+from ringserve.kernels.cpu_native import CpuKernels
 from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_reference
 from ringserve.kernels.sample_reference import sample_reference
 
@@ -45,26 +46,39 @@ def paged_attention(
 ) -> torch.Tensor:
     if not uses_triton(q.device):
         native = batch.native
-        if native is not None and native.supports(q, k_cache, batch):
-            return native(q, k_cache, v_cache, batch, scale)
+        if native is not None and native.supports_decode(q, k_cache, batch):
+            return native.decode_attention(q, k_cache, v_cache, batch, scale)
         return paged_attention_reference(q, k_cache, v_cache, batch, scale)
     if batch.decode_only:
         return decode.decode_attention(q, k_cache, v_cache, batch, scale)
     return extend.extend_attention(q, k_cache, v_cache, batch, scale)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, native: CpuKernels | None = None
+) -> torch.Tensor:
+    """`native`: the CPU kernels, where the caller has them."""
     if uses_triton(x.device):
         return triton_norm.rmsnorm(x, weight, eps)
+    if native is not None and native.supports_norm(x, weight):
+        return native.add_rmsnorm(x, None, weight, eps)[0]
     return rmsnorm_reference(x, weight, eps)
 
 
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    native: CpuKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rmsnorm(x + residual), x + residual)."""
     if uses_triton(x.device):
         return triton_norm.add_rmsnorm(x, residual, weight, eps)
+    if native is not None and native.supports_norm(x, weight):
+        normed, summed = native.add_rmsnorm(x, residual, weight, eps)
+        assert summed is not None
+        return normed, summed
     return add_rmsnorm_reference(x, residual, weight, eps)
 
 

@@ -19,7 +19,7 @@ from ringserve.engine.drafter import Drafter
 from ringserve.engine.grammar import mask_words
 from ringserve.engine.runner import Runner
 from ringserve.engine.stage import FaultyStage, Stage
-from ringserve.kernels.cpu_native import CpuDecodeAttention
+from ringserve.kernels.cpu_native import CpuKernels
 from ringserve.launch.progress import LoadProgress
 from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model
@@ -54,7 +54,7 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
         shape = (cfg.num_kv_heads, cfg.head_dim, dtype, device)
         host = HostPool(len(layers), config.host_kv_tokens + 1, *shape)
         log.info("host_pool.allocated", rank=rank, tokens=config.host_kv_tokens, bytes=host.nbytes)
-    native = cpu_attention(config, device)
+    native = cpu_kernels(config, device)
     runner = Runner(model, pool, device, layers, cfg.num_layers, host=host, native=native)
     check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
     faults = FaultPlan.from_env(rank)
@@ -85,17 +85,17 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
         device,
     )
     log.info("draft.loaded", layers=len(layers), pool_bytes=pool.nbytes)
-    drafter = Drafter(model, pool, device, cpu_attention(config, device))
+    drafter = Drafter(model, pool, device, cpu_kernels(config, device))
     check_draft(config.plan, drafter, config.max_tokens_per_pass, config.max_batch)
     return drafter
 
 
-def cpu_attention(config: EngineConfig, device: torch.device) -> CpuDecodeAttention | None:
+def cpu_kernels(config: EngineConfig, device: torch.device) -> CpuKernels | None:
     """The in-place CPU decode attention kernel, where the device is the
     CPU, the config asks for it and it builds here; None: the torch path."""
-    if device.type != "cpu" or config.cpu_attention != "native":
+    if device.type != "cpu" or config.cpu_kernels != "native":
         return None
-    return CpuDecodeAttention.load()
+    return CpuKernels.load()
 
 
 def report_loaded(stage: Stage) -> None:

@@ -85,12 +85,13 @@ class LlamaLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (residual stream after attention, MLP output to add)."""
         eps = self.cfg.norm_eps
+        native = batch.native
         if pending is None:
-            normed = ops.rmsnorm(residual, self.input_norm, eps)
+            normed = ops.rmsnorm(residual, self.input_norm, eps, native)
         else:
-            normed, residual = ops.add_rmsnorm(pending, residual, self.input_norm, eps)
+            normed, residual = ops.add_rmsnorm(pending, residual, self.input_norm, eps, native)
         attn = self.attention(normed, batch, k_cache, v_cache, rope)
-        normed, residual = ops.add_rmsnorm(attn, residual, self.post_norm, eps)
+        normed, residual = ops.add_rmsnorm(attn, residual, self.post_norm, eps, native)
         return residual, self.mlp(normed)
 
     def attention(
@@ -171,7 +172,7 @@ class LlamaModel(ModelSlice):
         for j, layer in enumerate(self.layers):
             h, pending = layer(h, pending, batch, kv.k[j], kv.v[j], rope)
         if self.norm is not None:
-            return ops.add_rmsnorm(pending, h, self.norm, self.cfg.norm_eps)[0]
+            return ops.add_rmsnorm(pending, h, self.norm, self.cfg.norm_eps, batch.native)[0]
         return h + pending
 
 

@@ -1,7 +1,10 @@
-/* Paged decode attention on the CPU: one new query per sequence over its
- * pooled context, read from the KV pool in place (no gather of K/V rows into
- * a dense copy first). Built at first use by `cpu_native.py`; the torch
- * reference (`paged_attention_reference`) is what it is compared with.
+/* CPU kernels, built at first use by `cpu_native.py`.
+ *
+ * decode_attention: paged decode attention, one new query per sequence over
+ * its pooled context, read from the KV pool in place (no gather of K/V rows
+ * into a dense copy first); compared with `paged_attention_reference`.
+ * add_rmsnorm: the residual add and RMSNorm of `add_rmsnorm_reference`, in
+ * one pass over each row, rounding where the reference rounds.
  *
  * Layout, all contiguous: q and out [B, Hq, D]; k_cache and v_cache
  * [capacity, Hkv, D]; req_slots [B, W] int64, of which row b's first
@@ -266,6 +269,66 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
     }
     if (jobs[0].status) status = jobs[0].status;
     return status;
+}
+
+/* The sum of squares of n floats. */
+static inline float sum_squares(const float *x, int64_t n) {
+#ifdef __AVX512F__
+    if (n % 16 == 0) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            a = _mm512_fmadd_ps(v, v, a);
+        }
+        return _mm512_reduce_add_ps(a);
+    }
+#endif
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; ++i) total += x[i] * x[i];
+    return total;
+}
+
+/* Per row of n: summed = x + residual, rounded to the storage type (only
+ * when residual is given), then out = weight * round(summed / rms(summed)),
+ * the rms in float32: the reference's `weight * rms_norm(x)`, whose product
+ * is taken (and rounded) in the storage type. `row` is n floats of scratch. */
+#define DEFINE_NORM(SUFFIX, ELEM, LOAD, STORE)                                                \
+    static void norm_##SUFFIX(const ELEM *x, const ELEM *residual, const ELEM *weight,        \
+                              ELEM *out, ELEM *summed, int64_t rows, int64_t n, float eps,    \
+                              float *row) {                                                   \
+        for (int64_t r = 0; r < rows; ++r) {                                                  \
+            const ELEM *xr = x + r * n;                                                       \
+            if (residual) {                                                                   \
+                const ELEM *rr = residual + r * n;                                            \
+                ELEM *sr = summed + r * n;                                                    \
+                for (int64_t i = 0; i < n; ++i) {                                             \
+                    sr[i] = STORE(LOAD(xr[i]) + LOAD(rr[i]));                                 \
+                    row[i] = LOAD(sr[i]);                                                     \
+                }                                                                             \
+            } else {                                                                          \
+                for (int64_t i = 0; i < n; ++i) row[i] = LOAD(xr[i]);                         \
+            }                                                                                 \
+            const float inv = 1.0f / sqrtf(sum_squares(row, n) / (float)n + eps);             \
+            ELEM *o = out + r * n;                                                            \
+            for (int64_t i = 0; i < n; ++i) o[i] = STORE(LOAD(STORE(row[i] * inv)) * LOAD(weight[i])); \
+        }                                                                                     \
+    }
+
+DEFINE_NORM(f32, float, F32_LOAD, F32_STORE)
+DEFINE_NORM(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* Returns 0 on success, 1 when memory ran out. `residual` and `summed` may
+ * be NULL (a norm with no add). */
+int add_rmsnorm(const void *x, const void *residual, const void *weight, void *out, void *summed,
+                int64_t rows, int64_t n, float eps, int64_t dtype) {
+    float *row = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (!row) return 1;
+    if (dtype == F32)
+        norm_f32(x, residual, weight, out, summed, rows, n, eps, row);
+    else
+        norm_bf16(x, residual, weight, out, summed, rows, n, eps, row);
+    free(row);
+    return 0;
 }
 
 /* 1 when the 16-lane primitives were compiled in (the plain loops are
