@@ -83,11 +83,26 @@ static inline __m512 load16_bf16(const uint16_t *p) {
             a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(k + d), a);          \
         return _mm512_reduce_add_ps(_mm512_add_ps(a, b));                                     \
     }                                                                                         \
-    static inline void axpy_##SUFFIX(float *acc, float p, const ELEM *v, int64_t n) {         \
-        const __m512 w = _mm512_set1_ps(p);                                                   \
-        for (int64_t d = 0; d < n; d += 16)                                                   \
-            _mm512_storeu_ps(acc + d,                                                         \
-                             _mm512_fmadd_ps(w, load16_##SUFFIX(v + d), _mm512_loadu_ps(acc + d))); \
+    /* out[0:n] = sum over l of p[l] * rows[slots[l]][0:n], 64 lanes at a time in registers */ \
+    static inline void weigh_##SUFFIX(float *out, const float *p, const ELEM *base,            \
+                                      const int64_t *slots, int64_t len, int64_t row_len,      \
+                                      int64_t n) {                                            \
+        for (int64_t c = 0; c < n; c += 64) {                                                 \
+            const int64_t lanes = n - c < 64 ? n - c : 64;                                    \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                       \
+            for (int64_t l = 0; l < len; ++l) {                                               \
+                const ELEM *v = base + slots[l] * row_len + c;                                \
+                const __m512 w = _mm512_set1_ps(p[l]);                                        \
+                a0 = _mm512_fmadd_ps(w, load16_##SUFFIX(v), a0);                              \
+                if (lanes > 16) a1 = _mm512_fmadd_ps(w, load16_##SUFFIX(v + 16), a1);         \
+                if (lanes > 32) a2 = _mm512_fmadd_ps(w, load16_##SUFFIX(v + 32), a2);         \
+                if (lanes > 48) a3 = _mm512_fmadd_ps(w, load16_##SUFFIX(v + 48), a3);         \
+            }                                                                                 \
+            _mm512_storeu_ps(out + c, a0);                                                    \
+            if (lanes > 16) _mm512_storeu_ps(out + c + 16, a1);                               \
+            if (lanes > 32) _mm512_storeu_ps(out + c + 32, a2);                               \
+            if (lanes > 48) _mm512_storeu_ps(out + c + 48, a3);                               \
+        }                                                                                     \
     }
 DEFINE_VECTOR(f32, float)
 DEFINE_VECTOR(bf16, uint16_t)
@@ -136,8 +151,10 @@ static inline float exp_shift(float *x, int64_t n, float top) {
         (void)q, (void)k, (void)n;                                                            \
         return 0.0f;                                                                          \
     }                                                                                         \
-    static inline void axpy_##SUFFIX(float *acc, float p, const ELEM *v, int64_t n) {         \
-        (void)acc, (void)p, (void)v, (void)n;                                                 \
+    static inline void weigh_##SUFFIX(float *out, const float *p, const ELEM *base,            \
+                                      const int64_t *slots, int64_t len, int64_t row_len,      \
+                                      int64_t n) {                                            \
+        (void)out, (void)p, (void)base, (void)slots, (void)len, (void)row_len, (void)n;       \
     }
 DEFINE_VECTOR(f32, float)
 DEFINE_VECTOR(bf16, uint16_t)
@@ -171,16 +188,18 @@ static inline float exp_shift(float *x, int64_t n, float top) {
             const ELEM *row = kc + slots[l] * row_len;                                        \
             if (l + AHEAD < len)                                                              \
                 prefetch_row(kc + slots[l + AHEAD] * row_len, row_len * sizeof(ELEM));        \
-            for (int64_t i = 0; i < hq; ++i) {                                                \
-                const ELEM *k = row + (i / group) * dim;                                      \
-                const float *qi = qf + i * dim;                                               \
-                float s = 0.0f;                                                               \
-                if (vector) {                                                                 \
-                    s = dot_##SUFFIX(qi, k, dim);                                             \
-                } else {                                                                      \
-                    for (int64_t d = 0; d < dim; ++d) s += qi[d] * LOAD(k[d]);                \
+            for (int64_t h = 0, i = 0; h < hkv; ++h) {                                        \
+                const ELEM *k = row + h * dim;                                                \
+                for (int64_t j = 0; j < group; ++j, ++i) {                                    \
+                    const float *qi = qf + i * dim;                                           \
+                    float s = 0.0f;                                                           \
+                    if (vector) {                                                             \
+                        s = dot_##SUFFIX(qi, k, dim);                                         \
+                    } else {                                                                  \
+                        for (int64_t d = 0; d < dim; ++d) s += qi[d] * LOAD(k[d]);            \
+                    }                                                                         \
+                    scores[i * width + l] = s;                                                \
                 }                                                                             \
-                scores[i * width + l] = s;                                                    \
             }                                                                                 \
         }                                                                                     \
         for (int64_t i = 0; i < hq; ++i) {                                                    \
@@ -191,19 +210,18 @@ static inline float exp_shift(float *x, int64_t n, float top) {
             const float inv = len > 0 ? 1.0f / total : 0.0f;                                  \
             for (int64_t l = 0; l < len; ++l) si[l] *= inv;                                   \
         }                                                                                     \
-        memset(acc, 0, (size_t)(hq * dim) * sizeof(float));                                  \
-        for (int64_t l = 0; l < len; ++l) {                                                   \
-            const ELEM *row = vc + slots[l] * row_len;                                        \
-            if (l + AHEAD < len)                                                              \
-                prefetch_row(vc + slots[l + AHEAD] * row_len, row_len * sizeof(ELEM));        \
-            for (int64_t i = 0; i < hq; ++i) {                                                \
-                const ELEM *v = row + (i / group) * dim;                                      \
-                const float p = scores[i * width + l];                                        \
+        for (int64_t h = 0, i = 0; h < hkv; ++h) {                                            \
+            for (int64_t j = 0; j < group; ++j, ++i) {                                        \
+                const float *p = scores + i * width;                                          \
                 float *ai = acc + i * dim;                                                    \
                 if (vector) {                                                                 \
-                    axpy_##SUFFIX(ai, p, v, dim);                                             \
-                } else {                                                                      \
-                    for (int64_t d = 0; d < dim; ++d) ai[d] += p * LOAD(v[d]);                \
+                    weigh_##SUFFIX(ai, p, vc + h * dim, slots, len, row_len, dim);            \
+                    continue;                                                                 \
+                }                                                                             \
+                memset(ai, 0, (size_t)dim * sizeof(float));                                   \
+                for (int64_t l = 0; l < len; ++l) {                                           \
+                    const ELEM *v = vc + slots[l] * row_len + h * dim;                        \
+                    for (int64_t d = 0; d < dim; ++d) ai[d] += p[l] * LOAD(v[d]);             \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
