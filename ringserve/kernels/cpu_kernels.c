@@ -71,6 +71,20 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+/* The four sums of four vectors' lanes, as one 4-lane vector. */
+static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then the same for c, d */
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    /* per 128-bit lane: [a, b, c, d] summed over the lane */
+    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* then over the four 128-bit lanes */
+    abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(1, 0, 3, 2)));
+    abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(abcd);
+}
+
 #define DEFINE_VECTOR(SUFFIX, ELEM)                                                           \
     static inline float dot_##SUFFIX(const float *q, const ELEM *k, int64_t n) {              \
         __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                              \
@@ -82,6 +96,19 @@ static inline __m512 load16_bf16(const uint16_t *p) {
         for (; d < n; d += 16)                                                                \
             a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(k + d), a);          \
         return _mm512_reduce_add_ps(_mm512_add_ps(a, b));                                     \
+    }                                                                                         \
+    /* out[0:4] = the dot products of q with four rows, reduced together */                \
+    static inline void dot4_##SUFFIX(const float *q, const ELEM *k0, const ELEM *k1,          \
+                                     const ELEM *k2, const ELEM *k3, int64_t n, float *out) { \
+        __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;                           \
+        for (int64_t d = 0; d < n; d += 16) {                                                 \
+            const __m512 qd = _mm512_loadu_ps(q + d);                                         \
+            t0 = _mm512_fmadd_ps(qd, load16_##SUFFIX(k0 + d), t0);                            \
+            t1 = _mm512_fmadd_ps(qd, load16_##SUFFIX(k1 + d), t1);                            \
+            t2 = _mm512_fmadd_ps(qd, load16_##SUFFIX(k2 + d), t2);                            \
+            t3 = _mm512_fmadd_ps(qd, load16_##SUFFIX(k3 + d), t3);                            \
+        }                                                                                     \
+        _mm_storeu_ps(out, reduce4(t0, t1, t2, t3));                                          \
     }                                                                                         \
     /* out[0:n] = sum over l of p[l] * rows[slots[l]][0:n], 64 lanes at a time in registers */ \
     static inline void weigh_##SUFFIX(float *out, const float *p, const ELEM *base,            \
@@ -151,6 +178,10 @@ static inline float exp_shift(float *x, int64_t n, float top) {
         (void)q, (void)k, (void)n;                                                            \
         return 0.0f;                                                                          \
     }                                                                                         \
+    static inline void dot4_##SUFFIX(const float *q, const ELEM *k0, const ELEM *k1,          \
+                                     const ELEM *k2, const ELEM *k3, int64_t n, float *out) { \
+        (void)q, (void)k0, (void)k1, (void)k2, (void)k3, (void)n, (void)out;                  \
+    }                                                                                         \
     static inline void weigh_##SUFFIX(float *out, const float *p, const ELEM *base,            \
                                       const int64_t *slots, int64_t len, int64_t row_len,      \
                                       int64_t n) {                                            \
@@ -184,10 +215,26 @@ static inline float exp_shift(float *x, int64_t n, float top) {
         const ELEM *q = (const ELEM *)job->q + b * hq * dim;                                  \
         const ELEM *kc = (const ELEM *)job->k, *vc = (const ELEM *)job->v;                    \
         for (int64_t i = 0; i < hq * dim; ++i) qf[i] = LOAD(q[i]) * job->scale;               \
-        for (int64_t l = 0; l < len; ++l) {                                                   \
+        int64_t l = 0;                                                                        \
+        if (vector) {                                                                         \
+            float four[4];                                                                    \
+            for (; l + 4 <= len; l += 4) {                                                    \
+                const ELEM *r0 = kc + slots[l] * row_len, *r1 = kc + slots[l + 1] * row_len;  \
+                const ELEM *r2 = kc + slots[l + 2] * row_len, *r3 = kc + slots[l + 3] * row_len; \
+                for (int64_t m = 4; m < 4 + AHEAD && l + m < len; ++m)                        \
+                    prefetch_row(kc + slots[l + m] * row_len, row_len * sizeof(ELEM));        \
+                for (int64_t h = 0, i = 0; h < hkv; ++h) {                                    \
+                    const int64_t at = h * dim;                                               \
+                    for (int64_t j = 0; j < group; ++j, ++i) {                                \
+                        dot4_##SUFFIX(qf + i * dim, r0 + at, r1 + at, r2 + at, r3 + at, dim,  \
+                                      four);                                                  \
+                        memcpy(scores + i * width + l, four, sizeof four);                    \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (; l < len; ++l) {                                                                \
             const ELEM *row = kc + slots[l] * row_len;                                        \
-            if (l + AHEAD < len)                                                              \
-                prefetch_row(kc + slots[l + AHEAD] * row_len, row_len * sizeof(ELEM));        \
             for (int64_t h = 0, i = 0; h < hkv; ++h) {                                        \
                 const ELEM *k = row + h * dim;                                                \
                 for (int64_t j = 0; j < group; ++j, ++i) {                                    \
