@@ -124,6 +124,27 @@ def test_native_add_rmsnorm_equals_the_reference(kernel, rows, width, dtype):
         assert (normed == want_normed).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,inter", [(1, 16), (6, 2816), (3, 40)])
+def test_native_silu_mul_equals_torch(kernel, rows, inter, dtype):
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's far ends
+    assert kernel.supports_silu_mul(gate_up)
+    got = kernel.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # silu rounds to bfloat16 before the product, in both
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+        assert (got == want).float().mean() > 0.98
+    nan = gate_up.clone()
+    nan[0, 0] = float("nan")
+    assert kernel.silu_mul(nan)[0, 0].isnan()
+
+
 def test_norms_take_the_kernel_only_for_rows_it_knows(kernel):
     weight = torch.ones(64)
     assert not kernel.supports_norm(torch.zeros(4, 2, 64), weight)  # heads: not rows

@@ -5,6 +5,8 @@
  * into a dense copy first); compared with `paged_attention_reference`.
  * add_rmsnorm: the residual add and RMSNorm of `add_rmsnorm_reference`, in
  * one pass over each row, rounding where the reference rounds.
+ * silu_mul: SwiGLU's silu(gate) * up over the fused [gate | up] rows, in one
+ * pass, rounding where torch's silu and mul_ round.
  *
  * Layout, all contiguous: q and out [B, Hq, D]; k_cache and v_cache
  * [capacity, Hkv, D]; req_slots [B, W] int64, of which row b's first
@@ -134,13 +136,14 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 DEFINE_VECTOR(f32, float)
 DEFINE_VECTOR(bf16, uint16_t)
 
-/* exp(x) for x <= 0: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of
- * degree 6 (relative error about 2e-7); below -87 it is 0. */
+/* exp(x) = 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6
+ * (relative error about 2e-7); below -87 it is 0, above 88 infinity, and a
+ * NaN stays NaN. */
 static inline __m512 exp16(__m512 x) {
     const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
     const __m512 ln2 = _mm512_set1_ps(0.693147180559945309f);
     __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand, x, when it is NaN */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
     __m512 r = _mm512_fnmadd_ps(n, ln2, x);
     __m512 p = _mm512_set1_ps(1.0f / 720);
@@ -172,6 +175,13 @@ static inline float exp_shift(float *x, int64_t n, float top) {
     return _mm512_reduce_add_ps(total);
 }
 #define VECTOR_ROWS(dim) ((dim) % 16 == 0)
+
+/* silu(x) = x / (1 + exp(-x)) for 16 lanes */
+static inline __m512 silu16(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_div_ps(x, _mm512_add_ps(one, e));
+}
 #else
 #define DEFINE_VECTOR(SUFFIX, ELEM)                                                           \
     static inline float dot_##SUFFIX(const float *q, const ELEM *k, int64_t n) {              \
@@ -393,6 +403,46 @@ int add_rmsnorm(const void *x, const void *residual, const void *weight, void *o
     else
         norm_bf16(x, residual, weight, out, summed, rows, n, eps, row);
     free(row);
+    return 0;
+}
+
+static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
+
+/* Per row: out[0:n] = round(round(silu(gate)) * up), gate = row[0:n], up = row[n:2n]. */
+#define DEFINE_SILU_MUL(SUFFIX, ELEM, LOAD, STORE)                                            \
+    static void silu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int64_t rows, int64_t n,    \
+                                  float *scratch) {                                           \
+        for (int64_t r = 0; r < rows; ++r) {                                                  \
+            const ELEM *g = gate_up + r * 2 * n, *u = g + n;                                  \
+            ELEM *o = out + r * n;                                                            \
+            int64_t i = 0;                                                                    \
+            for (; i < n; ++i) scratch[i] = LOAD(g[i]);                                       \
+            i = 0;                                                                            \
+            SILU_LANES(scratch, n, i);                                                        \
+            for (; i < n; ++i) scratch[i] = silu1(scratch[i]);                                \
+            for (i = 0; i < n; ++i) o[i] = STORE(LOAD(STORE(scratch[i])) * LOAD(u[i]));       \
+        }                                                                                     \
+    }
+
+#ifdef __AVX512F__
+#define SILU_LANES(x, n, i)                                                                   \
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, silu16(_mm512_loadu_ps(x + i)))
+#else
+#define SILU_LANES(x, n, i) (void)0
+#endif
+
+DEFINE_SILU_MUL(f32, float, F32_LOAD, F32_STORE)
+DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* Returns 0 on success, 1 when memory ran out. */
+int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int64_t dtype) {
+    float *scratch = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (!scratch) return 1;
+    if (dtype == F32)
+        silu_mul_f32(gate_up, out, rows, n, scratch);
+    else
+        silu_mul_bf16(gate_up, out, rows, n, scratch);
+    free(scratch);
     return 0;
 }
 

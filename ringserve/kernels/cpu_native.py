@@ -6,7 +6,8 @@
   cost as much as the attention. `cpu_kernels.c` walks each sequence's slots
   in the pool instead, 16 lanes at a time with AVX-512.
 * The residual add and RMSNorm in one pass per row (torch's bfloat16
-  rms_norm runs as several ops, each a pass over the activations).
+  rms_norm runs as several ops, each a pass over the activations), and
+  SwiGLU's silu(gate) * up likewise.
 
 The C file is compiled at first use with the system's C compiler (`$CC`, or
 `cc`) into a cache directory (`$RINGSERVE_CACHE_DIR`, else
@@ -63,6 +64,10 @@ class CpuKernels:
             [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64]
         )
         self._norm = norm
+        silu = library.silu_mul
+        silu.restype = ctypes.c_int
+        silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
+        self._silu_mul = silu
         self.vectorized = bool(library.vectorized())
 
     @classmethod
@@ -178,6 +183,27 @@ class CpuKernels:
         if status != 0:
             raise MemoryError(f"CPU add_rmsnorm failed (status {status})")
         return out, summed
+
+    def supports_silu_mul(self, gate_up: torch.Tensor) -> bool:
+        """[T, 2I] contiguous rows of a storage type the kernel knows."""
+        return (
+            gate_up.device.type == "cpu"
+            and gate_up.dim() == 2
+            and gate_up.shape[1] % 2 == 0
+            and gate_up.dtype in DTYPE_CODES
+            and gate_up.is_contiguous()
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of [T, 2I] rows holding [gate | up]: [T, I]."""
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        status = self._silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, DTYPE_CODES[gate_up.dtype]
+        )
+        if status != 0:
+            raise MemoryError(f"CPU silu_mul failed (status {status})")
+        return out
 
 
 def _cache_dir() -> Path:

@@ -6,6 +6,7 @@ wrappers on CPU tensors (under TRITON_INTERPRET=1) by calling them directly."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ringserve.kernels import decode_attention as decode
 from ringserve.kernels import extend_attention as extend
@@ -80,6 +81,14 @@ def add_rmsnorm(
         assert summed is not None
         return normed, summed
     return add_rmsnorm_reference(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor, native: CpuKernels | None = None) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of [T, 2I] rows holding [gate | up]."""
+    if native is not None and native.supports_silu_mul(gate_up):
+        return native.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def sample(

@@ -16,6 +16,7 @@ from torch import nn
 from ringserve.cache.pool import KVPool
 from ringserve.kernels import ops
 from ringserve.kernels.batch import ForwardBatch
+from ringserve.kernels.cpu_native import CpuKernels
 from ringserve.models.config import ModelConfig
 from ringserve.models.rope import RotaryEmbedding, apply_rope
 from ringserve.models.slice import ModelSlice, empty_param
@@ -92,7 +93,7 @@ class LlamaLayer(nn.Module):
             normed, residual = ops.add_rmsnorm(pending, residual, self.input_norm, eps, native)
         attn = self.attention(normed, batch, k_cache, v_cache, rope)
         normed, residual = ops.add_rmsnorm(attn, residual, self.post_norm, eps, native)
-        return residual, self.mlp(normed)
+        return residual, self.mlp(normed, native)
 
     def attention(
         self,
@@ -115,9 +116,9 @@ class LlamaLayer(nn.Module):
         out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)
         return F.linear(out.flatten(-2), self.o, self.o_bias)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down, self.down_bias)
+    def mlp(self, x: torch.Tensor, native: CpuKernels | None = None) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up, self.gate_up_bias)
+        return F.linear(ops.silu_mul(gate_up, native), self.down, self.down_bias)
 
 
 class LlamaModel(ModelSlice):
