@@ -12,10 +12,11 @@ import torch
 from ringserve import LLM, SamplingParams
 from ringserve.config import EngineConfig
 from ringserve.kernels import ops
-from ringserve.kernels.attention_reference import paged_attention_reference
-from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_reference
+from ringserve.kernels.attention_reference import paged_attention_reference, store_kv_reference
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.cpu_native import CpuKernels
+from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_reference
+from ringserve.models.rope import apply_rope
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,31 @@ def test_native_silu_mul_equals_torch(kernel, rows, inter, dtype):
     nan = gate_up.clone()
     nan[0, 0] = float("nan")
     assert kernel.silu_mul(nan)[0, 0].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens,hq,hkv,dim", [(1, 4, 4, 16), (9, 16, 8, 64), (5, 6, 2, 10)])
+def test_native_rope_store_equals_rope_then_store(kernel, tokens, hq, hkv, dim, dtype):
+    gen = torch.Generator().manual_seed(tokens * dim)
+    # q, k and v heads of one projection: qk and v are views with a row stride
+    heads = torch.randn(tokens, hq + 2 * hkv, dim, generator=gen).to(dtype)
+    qk, v = heads.split([hq + hkv, hkv], dim=1)
+    angles = torch.rand(tokens, 1, dim, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    sin[..., : dim // 2] *= -1
+    slots = torch.randperm(3 * tokens, generator=gen)[:tokens]
+    pools = [torch.zeros(3 * tokens, hkv, dim, dtype=dtype) for _ in range(4)]
+    assert kernel.supports_rope_store(qk, v, cos, pools[0], pools[1])
+    q = kernel.rope_store(qk, v, cos, sin, pools[0], pools[1], slots)
+    want_q, want_k = apply_rope(qk, cos, sin).split([hq, hkv], dim=1)
+    store_kv_reference(pools[2], pools[3], slots, want_k, v)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(q.float(), want_q.float(), **tol)
+    torch.testing.assert_close(pools[0].float(), pools[2].float(), **tol)
+    assert torch.equal(pools[1], pools[3])  # values are copied as they are
+    untouched = torch.ones(3 * tokens, dtype=torch.bool)
+    untouched[slots] = False
+    assert not pools[0][untouched].any()  # nothing written outside the slots
 
 
 def test_norms_take_the_kernel_only_for_rows_it_knows(kernel):

@@ -5,6 +5,9 @@
  * into a dense copy first); compared with `paged_attention_reference`.
  * add_rmsnorm: the residual add and RMSNorm of `add_rmsnorm_reference`, in
  * one pass over each row, rounding where the reference rounds.
+ * rope_store: RoPE of the new tokens' queries and keys ("rotate half"), the
+ * rotated keys and the values written straight into their pool slots, as
+ * `apply_rope` then `store_kv_reference`.
  * silu_mul: SwiGLU's silu(gate) * up over the fused [gate | up] rows, in one
  * pass, rounding where torch's silu and mul_ round.
  *
@@ -444,6 +447,50 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int64_t dt
         silu_mul_bf16(gate_up, out, rows, n, scratch);
     free(scratch);
     return 0;
+}
+
+/* Per token t: x * cos + roll(x, D/2) * signed_sin, for its Hq query heads
+ * (to q_out [T, Hq, D]) and Hkv key heads (to k_cache[slots[t]]); its Hkv
+ * value heads are copied to v_cache[slots[t]]. Rounds as torch's
+ * roll(x).mul_(sin).addcmul_(x, cos): the product by sin once, the sum once.
+ * `qk` and `v` rows are `qk_stride` and `v_stride` elements apart. */
+#define DEFINE_ROPE(SUFFIX, ELEM, LOAD, STORE)                                                \
+    static void rope_##SUFFIX(const ELEM *qk, int64_t qk_stride, const ELEM *v,               \
+                              int64_t v_stride, const ELEM *cos, const ELEM *sin,             \
+                              ELEM *q_out, ELEM *k_cache, ELEM *v_cache,                      \
+                              const int64_t *slots, int64_t tokens, int64_t hq, int64_t hkv,  \
+                              int64_t dim) {                                                  \
+        const int64_t half = dim / 2;                                                         \
+        for (int64_t t = 0; t < tokens; ++t) {                                                \
+            const ELEM *c = cos + t * dim, *s = sin + t * dim;                                \
+            for (int64_t h = 0; h < hq + hkv; ++h) {                                          \
+                const ELEM *x = qk + t * qk_stride + h * dim;                                 \
+                ELEM *o = h < hq ? q_out + (t * hq + h) * dim                                 \
+                                 : k_cache + (slots[t] * hkv + (h - hq)) * dim;               \
+                for (int64_t d = 0; d < dim; ++d) {                                           \
+                    const float rolled = LOAD(x[d < half ? d + half : d - half]);             \
+                    const float turned = LOAD(STORE(rolled * LOAD(s[d])));                    \
+                    o[d] = STORE(turned + LOAD(x[d]) * LOAD(c[d]));                           \
+                }                                                                             \
+            }                                                                                 \
+            memcpy(v_cache + slots[t] * hkv * dim, v + t * v_stride,                          \
+                   (size_t)(hkv * dim) * sizeof(ELEM));                                       \
+        }                                                                                     \
+    }
+
+DEFINE_ROPE(f32, float, F32_LOAD, F32_STORE)
+DEFINE_ROPE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+void rope_store(const void *qk, int64_t qk_stride, const void *v, int64_t v_stride,
+                const void *cos, const void *sin, void *q_out, void *k_cache, void *v_cache,
+                const int64_t *slots, int64_t tokens, int64_t hq, int64_t hkv, int64_t dim,
+                int64_t dtype) {
+    if (dtype == F32)
+        rope_f32(qk, qk_stride, v, v_stride, cos, sin, q_out, k_cache, v_cache, slots, tokens, hq,
+                 hkv, dim);
+    else
+        rope_bf16(qk, qk_stride, v, v_stride, cos, sin, q_out, k_cache, v_cache, slots, tokens,
+                  hq, hkv, dim);
 }
 
 /* 1 when the 16-lane primitives were compiled in (the plain loops are

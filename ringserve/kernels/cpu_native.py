@@ -8,6 +8,9 @@
 * The residual add and RMSNorm in one pass per row (torch's bfloat16
   rms_norm runs as several ops, each a pass over the activations), and
   SwiGLU's silu(gate) * up likewise.
+* RoPE of the new queries and keys with the keys and values written
+  straight into their pool slots (torch: a roll, two products, a split and
+  two index copies).
 
 The C file is compiled at first use with the system's C compiler (`$CC`, or
 `cc`) into a cache directory (`$RINGSERVE_CACHE_DIR`, else
@@ -45,11 +48,11 @@ COMPILE_TIMEOUT_S = 120.0
 
 
 class CpuKernels:
-    """The compiled kernels. `supports_decode` and `supports_norm` say
-    whether a call can take them; `decode_attention` has
-    `paged_attention_reference`'s contract for decode passes, `add_rmsnorm`
-    that of `add_rmsnorm_reference` (and of `rmsnorm_reference` with no
-    residual)."""
+    """The compiled kernels. Each `supports_*` says whether a call can take
+    its kernel; `decode_attention` has `paged_attention_reference`'s
+    contract for decode passes, `add_rmsnorm` that of `add_rmsnorm_reference`
+    (and of `rmsnorm_reference` with no residual), `silu_mul` and
+    `rope_store` those of the torch lines they replace."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.decode_attention
@@ -68,6 +71,15 @@ class CpuKernels:
         silu.restype = ctypes.c_int
         silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
         self._silu_mul = silu
+        rope = library.rope_store
+        rope.restype = None
+        rope.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_int64,
+        ]  # fmt: skip
+        self._rope = rope
         self.vectorized = bool(library.vectorized())
 
     @classmethod
@@ -204,6 +216,64 @@ class CpuKernels:
         if status != 0:
             raise MemoryError(f"CPU silu_mul failed (status {status})")
         return out
+
+    def supports_rope_store(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> bool:
+        """[T, H, D] heads whose rows are dense (any row stride), tables of
+        [T, 1, D], one storage type throughout, contiguous pool layers."""
+        dtype = qk.dtype
+        return (
+            qk.device.type == "cpu"
+            and dtype in DTYPE_CODES
+            and all(t.dtype == dtype for t in (v, cos, k_cache, v_cache))
+            and qk.dim() == 3
+            and v.dim() == 3
+            and qk.shape[-1] % 2 == 0
+            and _dense_rows(qk)
+            and _dense_rows(v)
+            and cos.is_contiguous()
+            and cos.numel() == qk.shape[0] * qk.shape[-1]
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
+
+    def rope_store(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The rotated queries [T, Hq, D] of `qk` ([T, Hq + Hkv, D]); the
+        rotated keys and `v` ([T, Hkv, D]) written at `out_slots` of the pool
+        layer, as `apply_rope` then `store_kv_reference`."""
+        tokens, heads, dim = qk.shape
+        hkv = k_cache.shape[1]
+        if v.shape != (tokens, hkv, dim) or heads <= hkv or signed_sin.shape != cos.shape:
+            raise ValueError("rope_store: heads, values and tables do not agree")
+        slots = out_slots.contiguous()
+        q_out = torch.empty(tokens, heads - hkv, dim, dtype=qk.dtype)
+        self._rope(
+            qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
+            cos.data_ptr(), signed_sin.contiguous().data_ptr(), q_out.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+            tokens, heads - hkv, hkv, dim, DTYPE_CODES[qk.dtype],
+        )  # fmt: skip
+        return q_out
+
+
+def _dense_rows(x: torch.Tensor) -> bool:
+    """Each [H, D] row is dense; rows may be any stride apart."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _cache_dir() -> Path:

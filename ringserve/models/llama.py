@@ -110,9 +110,13 @@ class LlamaLayer(nn.Module):
         if self.q_norm is not None:
             q = ops.rmsnorm(qk[:, :hq], self.q_norm, cfg.norm_eps)
             qk = torch.cat((q, ops.rmsnorm(qk[:, hq:], self.k_norm, cfg.norm_eps)), dim=1)
-        # q and k are rotated together: one rope over [T, Hq + Hkv, D].
-        q, k = apply_rope(qk, *rope).split([hq, hkv], dim=1)
-        ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
+        native = batch.native
+        if native is not None and native.supports_rope_store(qk, v, rope[0], k_cache, v_cache):
+            q = native.rope_store(qk, v, *rope, k_cache, v_cache, batch.out_slots)
+        else:
+            # q and k are rotated together: one rope over [T, Hq + Hkv, D].
+            q, k = apply_rope(qk, *rope).split([hq, hkv], dim=1)
+            ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)
         return F.linear(out.flatten(-2), self.o, self.o_bias)
 
