@@ -38,7 +38,7 @@ async def ticker(stop: asyncio.Event, period_s: float = 0.001) -> float:
 
 def solo(args: argparse.Namespace) -> None:
     """One single-rank engine, started at the same moment as a twin."""
-    llm = LLM(args.model, dtype=args.dtype, torch_threads=1, max_batch=args.requests)
+    llm = LLM(args.model, dtype=args.dtype, torch_threads=1, max_batch=args.max_batch)
     vocab = llm._ring.conductor.vocab_size
     tokens_per_s(llm, workload(4, vocab, -1), 8)
     print(tokens_per_s(llm, workload(args.requests, vocab, args.seed), args.new_tokens), flush=True)
@@ -47,7 +47,8 @@ def solo(args: argparse.Namespace) -> None:
 
 def ceiling(args: argparse.Namespace) -> float:
     cmd = [sys.executable, __file__, "--solo", "--requests", str(args.requests),
-           "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]  # fmt: skip
+           "--new-tokens", str(args.new_tokens), "--dtype", args.dtype,
+           "--max-batch", str(args.max_batch)]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
     twins = [
@@ -70,14 +71,22 @@ def main() -> None:
     )
     ap.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="rows per pass (default --requests): --requests N x pp with --max-batch N fills "
+        "every micro-batch, the saturated case, where pp 1 runs passes of the same size",
+    )
     ap.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.max_batch = args.max_batch or args.requests
     if args.solo:
         solo(args)
         return
     both = ceiling(args)
-    common = dict(dtype=args.dtype, torch_threads=1, max_batch=args.requests)
+    common = dict(dtype=args.dtype, torch_threads=1, max_batch=args.max_batch)
     one = LLM(args.model, **common)
     depths = (
         [None]
@@ -103,7 +112,8 @@ def main() -> None:
     one.close()
     best1, n = max(pp1), args.pp
     print(
-        f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, one thread per rank, {args.dtype}"
+        f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, "
+        f"at most {args.max_batch} rows per pass, one thread per rank, {args.dtype}"
     )
     print(f"  pp 1: {best1:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in pp1)})")
     for s, rates in ring_rates.items():
