@@ -19,14 +19,24 @@ from tests.test_plan import QWEN_14B, headrooms, instances, layer_figures, max_t
 SPEEDS = st.sampled_from([0.25, 0.3, 0.5, 1.0, 1.0, 1.5, 2.0, 3.0])
 
 
-def pace(split, speeds) -> Fraction:
-    """The slowest stage of a split, spelled independently of the planner."""
-    return max(Fraction(n) / Fraction(s) for n, s in zip(split, speeds, strict=True))
+def head_layers(model) -> Fraction:
+    """The head in mean layers of weight bytes (0 for weightless layers)."""
+    layer_bytes = sum(f.bytes for f in model.layers)
+    return Fraction(model.head.bytes * len(model.layers), layer_bytes) if layer_bytes else 0
+
+
+def pace(split, speeds, head=0) -> Fraction:
+    """The slowest stage of a split, spelled independently of the planner:
+    n layers at speed s take n / s, and the last also runs the head."""
+    times = [Fraction(n) / Fraction(s) for n, s in zip(split, speeds, strict=True)]
+    times[-1] = (split[-1] + Fraction(head)) / Fraction(speeds[-1])
+    return max(times)
 
 
 def brute_paced(model, budgets, acts, page, least_tokens, cap, objective):
     """(split, T) the objective asks for, by enumeration, or the refusal."""
     lo = max(1, -(-least_tokens // page))
+    head = head_layers(model)
     top_of = {}
     for split in splits(len(model.layers), len(budgets)):
         t = max_tokens(model, budgets, acts, split, page)
@@ -40,9 +50,9 @@ def brute_paced(model, budgets, acts, page, least_tokens, cap, objective):
     if floor > top:
         return "min_kv"
     fits = [s for s, t in top_of.items() if t >= floor * page]
-    fastest = min(pace(s, objective.speeds) for s in fits)
-    t = max(top_of[s] for s in fits if pace(s, objective.speeds) == fastest)
-    tied = [s for s in fits if pace(s, objective.speeds) == fastest and top_of[s] == t]
+    fastest = min(pace(s, objective.speeds, head) for s in fits)
+    t = max(top_of[s] for s in fits if pace(s, objective.speeds, head) == fastest)
+    tied = [s for s in fits if pace(s, objective.speeds, head) == fastest and top_of[s] == t]
     room = max(min(headrooms(model, budgets, acts, s, t)) for s in tied)
     return min(s for s in tied if min(headrooms(model, budgets, acts, s, t)) == room), t
 
@@ -86,7 +96,8 @@ def test_throughput_and_balanced_plans_equal_brute_force_over_all_splits(instanc
     assert (result.layer_split, result.capacity_tokens) == expected
     assert result.plan_for == objective.plan_for
     assert all(e.headroom >= 0 for e in result.ledger)
-    assert result.bottleneck.stage_time == pytest.approx(float(pace(expected[0], objective.speeds)))
+    want = pace(expected[0], objective.speeds, head_layers(model))
+    assert result.bottleneck.stage_time == pytest.approx(float(want))
 
 
 def qwen(budgets_mib, **objective):
@@ -102,10 +113,15 @@ def qwen(budgets_mib, **objective):
 def test_a_slow_rank_gets_fewer_layers_under_throughput():
     even = qwen([28000] * 3, plan_for="throughput")
     slow = qwen([28000] * 3, plan_for="throughput", speeds=(1.0, 0.5, 1.0))
-    assert even.layer_split == (16, 16, 16)
+    # Qwen2.5-14B's head (152k x 5120) weighs 2.83 of its layers, on the last rank
+    head = 152064 * 5120 / (5120 * (2 * 5120 + 2 * 1024 + 3 * 13824) + 2 * 5120 + 2 * 1024 * 2)
+    assert even.ledger[2].head_time == pytest.approx(head, rel=1e-3)
+    assert even.layer_split == (17, 17, 14)  # 17, 17 and 14 + 2.83 layer times
+    assert even.bottleneck.stage_time == 17.0
     assert slow.layer_split[1] < min(slow.layer_split[0], slow.layer_split[2])
-    assert slow.layer_split == (19, 10, 19)  # 19 / 1 vs 10 / 0.5: rank 1 is the bottleneck
-    assert slow.bottleneck.rank == 1 and slow.bottleneck.stage_time == 20.0
+    assert slow.layer_split == (20, 10, 18)  # 20 / 1, 10 / 0.5, (18 + 2.83) / 1
+    assert slow.bottleneck.rank == 2
+    assert slow.bottleneck.stage_time == pytest.approx(18 + head, rel=1e-4)
     capacity = qwen([28000] * 3, speeds=(1.0, 0.5, 1.0))
     assert capacity.layer_split == (16, 17, 15)  # the head weighs on the last rank
     assert capacity.bottleneck.stage_time == 34.0  # 17 layers at half speed

@@ -142,8 +142,9 @@ class RankLedger:
     activations - draft exactly (`draft`: the draft model rank 0 runs for
     `--speculative draft`, plan/draft.py; None on every other rank). `speed` is the rank's planned speed per layer
     relative to the reference (2.0: twice as fast); its predicted stage time
-    per pass is layers / speed, in reference-layer times (embeddings, head
-    and sampling are not timed: they are small beside the layers)."""
+    per pass is (layers + head_time) / speed, in reference-layer times, where
+    `head_time` is the head's weight bytes in mean layers on the last rank
+    (0 elsewhere; the embedding lookup and sampling are not timed)."""
 
     rank: int
     layers: range
@@ -152,6 +153,7 @@ class RankLedger:
     kv: Figure
     activations: Figure
     speed: float = 1.0
+    head_time: float = 0.0
     host: Figure | None = None  # the host KV tier, in host memory: not in the budget
     draft: DraftLedger | None = None
 
@@ -161,7 +163,7 @@ class RankLedger:
 
     @property
     def stage_time(self) -> float:
-        return len(self.layers) / self.speed
+        return (len(self.layers) + self.head_time) / self.speed
 
     @property
     def needs(self) -> int:

@@ -5,6 +5,7 @@ counts or from the safetensors headers (DESIGN §5)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from ringserve.models.config import _DTYPE_BYTES, ModelConfig
@@ -30,6 +31,17 @@ class ModelBytes:
             raise ValueError("KV bytes per token per layer must be positive")
         if not 0 <= self.tied <= min(self.embed.bytes, self.head.bytes):
             raise ValueError(f"tied bytes {self.tied} exceed the embedding or the head")
+
+    @property
+    def head_layers(self) -> Fraction:
+        """The head's time per pass in layer times, exactly: its weight
+        bytes over a mean layer's. A decode pass streams every weight once,
+        so its matmuls take time in proportion to their bytes; a 150k-token
+        vocabulary's head outweighs several layers. 0 for weightless layers."""
+        layer_bytes = sum(f.bytes for f in self.layers)
+        if layer_bytes == 0:
+            return Fraction(0)
+        return Fraction(self.head.bytes * len(self.layers), layer_bytes)
 
 
 def model_bytes_from_config(cfg: ModelConfig, dtype: str) -> ModelBytes:

@@ -3,6 +3,7 @@ the planner's searches share (DESIGN §5)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -78,14 +79,23 @@ class Rig:
             spare -= self.draft.at(t).total
         return spare - (self.prefix[b] - self.prefix[a]) - kv
 
+    def head_time(self, r: int) -> Fraction:
+        """The head's part of rank r's stage, in reference-layer times: the
+        last rank's alone."""
+        return self.model.head_layers if r == self.ranks - 1 else Fraction(0)
+
     def stage_time(self, r: int, n: int) -> Fraction:
-        """Rank r's time per pass holding n layers, in reference-layer times."""
-        return n / self.speeds[r]
+        """Rank r's time per pass holding n layers (and the head, on the
+        last rank), in reference-layer times."""
+        return (n + self.head_time(r)) / self.speeds[r]
 
     def caps_for(self, bottleneck: Fraction) -> tuple[int, ...]:
         """The most layers each rank may hold with no stage slower than
-        `bottleneck`."""
-        return tuple(int(bottleneck * s) for s in self.speeds)
+        `bottleneck` (0: none, which no split allows)."""
+        return tuple(
+            max(0, math.floor(bottleneck * s - self.head_time(r)))
+            for r, s in enumerate(self.speeds)
+        )
 
     def _ends(self, r: int, a: int, caps: tuple[int, ...] | None) -> range:
         """The ends b of rank r's slice [a, b): a layer left for each later
@@ -157,6 +167,7 @@ class Rig:
                     kv=Figure(t * n * kv.bytes, kv.source),
                     activations=self.activations[r],
                     speed=float(self.speeds[r]),
+                    head_time=float(self.head_time(r)),
                     draft=self.draft.at(t) if r == 0 and self.draft is not None else None,
                 )
             )
