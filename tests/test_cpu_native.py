@@ -192,6 +192,19 @@ def test_no_compiler_or_a_failed_compile_leaves_the_torch_path(tmp_path, monkeyp
     assert not any((tmp_path / "b").glob("*.so"))  # no half-written library left
 
 
+@pytest.mark.timeout(120)
+def test_an_engine_without_a_compiler_serves_on_the_torch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(torch_threads=1)
+    try:
+        assert llm._ring.conductor.stage.runner.native is None
+        out = llm.generate([[5, 9, 14]], SamplingParams(max_tokens=6, ignore_eos=True))
+        assert len(out[0].token_ids) == 6
+    finally:
+        llm.close()
+
+
 def test_a_cached_build_is_reused(kernel, tmp_path):
     first = CpuKernels.load(tmp_path)
     assert first is not None
