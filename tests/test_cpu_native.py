@@ -3,6 +3,7 @@ fallback where it cannot build, and the engine's output with it and without."""
 
 from __future__ import annotations
 
+import platform
 import random
 from pathlib import Path
 
@@ -19,12 +20,22 @@ from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_refe
 from ringserve.models.rope import apply_rope
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
-    built = CpuKernels.load(tmp_path_factory.mktemp("native"))
+@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    """The kernels built for this CPU, and for AVX2 (x86-64-v3)."""
+    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64-v3 is an x86 target")
+    built = CpuKernels.load(tmp_path_factory.mktemp("native"), march=request.param)
     if built is None:
-        pytest.skip("the native kernel does not build on this machine (see its log line)")
+        pytest.skip(f"the kernels do not build for {request.param} here (see the log line)")
     return built
+
+
+def test_each_target_builds_its_vector_width(kernel, tmp_path):
+    assert kernel.lanes in (8, 16)
+    avx2 = CpuKernels.load(tmp_path, march="x86-64-v3")
+    if avx2 is not None:
+        assert avx2.lanes == 8
 
 
 def decode_case(

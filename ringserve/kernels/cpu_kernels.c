@@ -62,129 +62,194 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 3);
 }
 
-/* The three primitives, per storage type: a dot product of a float query
- * with a stored row, acc += p * row, and x = exp(x - top) returning the sum.
- * With AVX-512 (and rows a multiple of 16 long) they run 16 lanes at a time;
- * otherwise as plain loops. */
-#ifdef __AVX512F__
+/* The vector primitives, per storage type: a dot product of a float query
+ * with a stored row (dot, and dot4 for four rows at once), the weighted sum
+ * of rows (weigh), x = exp(x - top) returning the sum (exp_shift), and silu.
+ * They are written once over `vec`, LANES floats wide: 16 with AVX-512, 8
+ * with AVX2 and FMA. Rows a multiple of 16 long take them; anything else,
+ * and a build for a CPU with neither, runs plain loops. */
+#if defined(__AVX512F__)
 #include <immintrin.h>
-
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-
-static inline __m512 load16_bf16(const uint16_t *p) {
+#define LANES 16
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vset(float x) { return _mm512_set1_ps(x); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vload_bf16(const uint16_t *p) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 
 /* The four sums of four vectors' lanes, as one 4-lane vector. */
-static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+static inline __m128 vsum4(vec a, vec b, vec c, vec d) {
     /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then the same for c, d */
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    vec ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    vec cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
     /* per 128-bit lane: [a, b, c, d] summed over the lane */
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    vec abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
     /* then over the four 128-bit lanes */
     abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(1, 0, 3, 2)));
     abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(2, 3, 0, 1)));
     return _mm512_castps512_ps128(abcd);
 }
 
+static inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+static inline vec vclamp(vec x, float lo, float hi) {
+    /* min and max return their second operand, x, when it is NaN */
+    return _mm512_max_ps(vset(lo), _mm512_min_ps(vset(hi), x));
+}
+static inline vec vscale2(vec p, vec n) { return _mm512_scalef_ps(p, n); }
+static inline vec vzero_below(vec e, vec x, float lo) {
+    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, vset(lo), _CMP_LT_OQ), e);
+}
+static inline vec vinf_above(vec e, vec x, float hi) {
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, vset(hi), _CMP_GT_OQ), vset(INFINITY));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LANES 8
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vset(float x) { return _mm256_set1_ps(x); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vload_bf16(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+static inline float vsum(vec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+/* The four sums of four vectors' lanes, as one 4-lane vector. */
+static inline __m128 vsum4(vec a, vec b, vec c, vec d) {
+    /* [a0123, b0123, c0123, d0123 | a4567, b4567, c4567, d4567] */
+    vec h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static inline vec vround(vec x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec vclamp(vec x, float lo, float hi) {
+    /* min and max return their second operand, x, when it is NaN */
+    return _mm256_max_ps(vset(lo), _mm256_min_ps(vset(hi), x));
+}
+/* p * 2^n for integral n in [-126, 127], through the exponent bits */
+static inline vec vscale2(vec p, vec n) {
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline vec vzero_below(vec e, vec x, float lo) {
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, vset(lo), _CMP_LT_OQ), e);
+}
+static inline vec vinf_above(vec e, vec x, float hi) {
+    return _mm256_blendv_ps(e, vset(INFINITY), _mm256_cmp_ps(x, vset(hi), _CMP_GT_OQ));
+}
+#endif
+
+#ifdef LANES
+/* exp(x) = 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6
+ * (relative error about 2e-7); below -87 it is 0, above 88 infinity, and a
+ * NaN stays NaN. */
+static inline vec vexp(vec x) {
+    vec c = vclamp(x, -87.0f, 88.0f);
+    vec n = vround(vmul(c, vset(1.44269504088896341f)));
+    vec r = vfnma(n, vset(0.693147180559945309f), c);
+    vec p = vset(1.0f / 720);
+    p = vfma(p, r, vset(1.0f / 120));
+    p = vfma(p, r, vset(1.0f / 24));
+    p = vfma(p, r, vset(1.0f / 6));
+    p = vfma(p, r, vset(0.5f));
+    p = vfma(p, r, vset(1.0f));
+    p = vfma(p, r, vset(1.0f));
+    return vinf_above(vzero_below(vscale2(p, n), x, -87.0f), x, 88.0f);
+}
+
+#define vload_f32 vload
+
 #define DEFINE_VECTOR(SUFFIX, ELEM)                                                           \
     static inline float dot_##SUFFIX(const float *q, const ELEM *k, int64_t n) {              \
-        __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                              \
+        vec a = vzero(), b = vzero();                                                         \
         int64_t d = 0;                                                                        \
-        for (; d + 32 <= n; d += 32) {                                                        \
-            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(k + d), a);          \
-            b = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 16), load16_##SUFFIX(k + d + 16), b); \
+        for (; d + 2 * LANES <= n; d += 2 * LANES) {                                          \
+            a = vfma(vload(q + d), vload_##SUFFIX(k + d), a);                                 \
+            b = vfma(vload(q + d + LANES), vload_##SUFFIX(k + d + LANES), b);                 \
         }                                                                                     \
-        for (; d < n; d += 16)                                                                \
-            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##SUFFIX(k + d), a);          \
-        return _mm512_reduce_add_ps(_mm512_add_ps(a, b));                                     \
+        for (; d < n; d += LANES) a = vfma(vload(q + d), vload_##SUFFIX(k + d), a);           \
+        return vsum(vadd(a, b));                                                              \
     }                                                                                         \
     /* out[0:4] = the dot products of q with four rows, reduced together */                \
     static inline void dot4_##SUFFIX(const float *q, const ELEM *k0, const ELEM *k1,          \
                                      const ELEM *k2, const ELEM *k3, int64_t n, float *out) { \
-        __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;                           \
-        for (int64_t d = 0; d < n; d += 16) {                                                 \
-            const __m512 qd = _mm512_loadu_ps(q + d);                                         \
-            t0 = _mm512_fmadd_ps(qd, load16_##SUFFIX(k0 + d), t0);                            \
-            t1 = _mm512_fmadd_ps(qd, load16_##SUFFIX(k1 + d), t1);                            \
-            t2 = _mm512_fmadd_ps(qd, load16_##SUFFIX(k2 + d), t2);                            \
-            t3 = _mm512_fmadd_ps(qd, load16_##SUFFIX(k3 + d), t3);                            \
+        vec t0 = vzero(), t1 = t0, t2 = t0, t3 = t0;                                          \
+        for (int64_t d = 0; d < n; d += LANES) {                                              \
+            const vec qd = vload(q + d);                                                      \
+            t0 = vfma(qd, vload_##SUFFIX(k0 + d), t0);                                        \
+            t1 = vfma(qd, vload_##SUFFIX(k1 + d), t1);                                        \
+            t2 = vfma(qd, vload_##SUFFIX(k2 + d), t2);                                        \
+            t3 = vfma(qd, vload_##SUFFIX(k3 + d), t3);                                        \
         }                                                                                     \
-        _mm_storeu_ps(out, reduce4(t0, t1, t2, t3));                                          \
+        _mm_storeu_ps(out, vsum4(t0, t1, t2, t3));                                            \
     }                                                                                         \
-    /* out[0:n] = sum over l of p[l] * rows[slots[l]][0:n], 64 lanes at a time in registers */ \
+    /* out[0:n] = sum over l of p[l] * rows[slots[l]][0:n], 4 x LANES at a time in registers */ \
     static inline void weigh_##SUFFIX(float *out, const float *p, const ELEM *base,            \
                                       const int64_t *slots, int64_t len, int64_t row_len,      \
                                       int64_t n) {                                            \
-        for (int64_t c = 0; c < n; c += 64) {                                                 \
-            const int64_t lanes = n - c < 64 ? n - c : 64;                                    \
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                       \
+        for (int64_t c = 0; c < n; c += 4 * LANES) {                                          \
+            const int64_t lanes = n - c < 4 * LANES ? n - c : 4 * LANES;                      \
+            vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;                                      \
             for (int64_t l = 0; l < len; ++l) {                                               \
                 const ELEM *v = base + slots[l] * row_len + c;                                \
-                const __m512 w = _mm512_set1_ps(p[l]);                                        \
-                a0 = _mm512_fmadd_ps(w, load16_##SUFFIX(v), a0);                              \
-                if (lanes > 16) a1 = _mm512_fmadd_ps(w, load16_##SUFFIX(v + 16), a1);         \
-                if (lanes > 32) a2 = _mm512_fmadd_ps(w, load16_##SUFFIX(v + 32), a2);         \
-                if (lanes > 48) a3 = _mm512_fmadd_ps(w, load16_##SUFFIX(v + 48), a3);         \
+                const vec w = vset(p[l]);                                                     \
+                a0 = vfma(w, vload_##SUFFIX(v), a0);                                          \
+                if (lanes > LANES) a1 = vfma(w, vload_##SUFFIX(v + LANES), a1);               \
+                if (lanes > 2 * LANES) a2 = vfma(w, vload_##SUFFIX(v + 2 * LANES), a2);       \
+                if (lanes > 3 * LANES) a3 = vfma(w, vload_##SUFFIX(v + 3 * LANES), a3);       \
             }                                                                                 \
-            _mm512_storeu_ps(out + c, a0);                                                    \
-            if (lanes > 16) _mm512_storeu_ps(out + c + 16, a1);                               \
-            if (lanes > 32) _mm512_storeu_ps(out + c + 32, a2);                               \
-            if (lanes > 48) _mm512_storeu_ps(out + c + 48, a3);                               \
+            vstore(out + c, a0);                                                              \
+            if (lanes > LANES) vstore(out + c + LANES, a1);                                   \
+            if (lanes > 2 * LANES) vstore(out + c + 2 * LANES, a2);                           \
+            if (lanes > 3 * LANES) vstore(out + c + 3 * LANES, a3);                           \
         }                                                                                     \
     }
 DEFINE_VECTOR(f32, float)
 DEFINE_VECTOR(bf16, uint16_t)
 
-/* exp(x) = 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6
- * (relative error about 2e-7); below -87 it is 0, above 88 infinity, and a
- * NaN stays NaN. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 ln2 = _mm512_set1_ps(0.693147180559945309f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand, x, when it is NaN */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, ln2, x);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
-}
-
 static inline float exp_shift(float *x, int64_t n, float top) {
-    const __m512 shift = _mm512_set1_ps(top);
-    __m512 total = _mm512_setzero_ps();
+    const vec shift = vset(top);
+    vec sum = vzero();
     int64_t l = 0;
-    for (; l + 16 <= n; l += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + l), shift));
-        _mm512_storeu_ps(x + l, e);
-        total = _mm512_add_ps(total, e);
+    for (; l + LANES <= n; l += LANES) {
+        vec e = vexp(vsub(vload(x + l), shift));
+        vstore(x + l, e);
+        sum = vadd(sum, e);
     }
-    if (l < n) {
-        __mmask16 rest = (__mmask16)((1u << (n - l)) - 1u);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, x + l), shift));
-        e = _mm512_maskz_mov_ps(rest, e);
-        _mm512_mask_storeu_ps(x + l, rest, e);
-        total = _mm512_add_ps(total, e);
-    }
-    return _mm512_reduce_add_ps(total);
+    float total = vsum(sum);
+    for (; l < n; ++l) total += (x[l] = expf(x[l] - top));
+    return total;
 }
 #define VECTOR_ROWS(dim) ((dim) % 16 == 0)
 
-/* silu(x) = x / (1 + exp(-x)) for 16 lanes */
-static inline __m512 silu16(__m512 x) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-    return _mm512_div_ps(x, _mm512_add_ps(one, e));
-}
+/* silu(x) = x / (1 + exp(-x)), LANES at a time */
+static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero(), x)))); }
 #else
 #define DEFINE_VECTOR(SUFFIX, ELEM)                                                           \
     static inline float dot_##SUFFIX(const float *q, const ELEM *k, int64_t n) {              \
@@ -351,14 +416,14 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
 
 /* The sum of squares of n floats. */
 static inline float sum_squares(const float *x, int64_t n) {
-#ifdef __AVX512F__
-    if (n % 16 == 0) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16) {
-            __m512 v = _mm512_loadu_ps(x + i);
-            a = _mm512_fmadd_ps(v, v, a);
+#ifdef LANES
+    if (n % LANES == 0) {
+        vec a = vzero();
+        for (int64_t i = 0; i < n; i += LANES) {
+            vec v = vload(x + i);
+            a = vfma(v, v, a);
         }
-        return _mm512_reduce_add_ps(a);
+        return vsum(a);
     }
 #endif
     float total = 0.0f;
@@ -427,9 +492,8 @@ static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
         }                                                                                     \
     }
 
-#ifdef __AVX512F__
-#define SILU_LANES(x, n, i)                                                                   \
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, silu16(_mm512_loadu_ps(x + i)))
+#ifdef LANES
+#define SILU_LANES(x, n, i) for (; i + LANES <= n; i += LANES) vstore(x + i, vsilu(vload(x + i)))
 #else
 #define SILU_LANES(x, n, i) (void)0
 #endif
@@ -493,11 +557,11 @@ void rope_store(const void *qk, int64_t qk_stride, const void *v, int64_t v_stri
                   hq, hkv, dim);
 }
 
-/* 1 when the 16-lane primitives were compiled in (the plain loops are
- * slower than torch's gather-and-SDPA path, so the caller keeps that). */
+/* The vector width compiled in (16: AVX-512, 8: AVX2), 0 for none: the
+ * plain loops are slower than torch's own ops, so the caller keeps those. */
 int vectorized(void) {
-#ifdef __AVX512F__
-    return 1;
+#ifdef LANES
+    return LANES;
 #else
     return 0;
 #endif

@@ -4,7 +4,7 @@
   (`paged_attention_reference`) gathers every sequence's K and V rows into
   dense copies, then runs SDPA over them: on a decode pass the gathers alone
   cost as much as the attention. `cpu_kernels.c` walks each sequence's slots
-  in the pool instead, 16 lanes at a time with AVX-512.
+  in the pool instead, 16 lanes at a time with AVX-512 (8 with AVX2).
 * The residual add and RMSNorm in one pass per row (torch's bfloat16
   rms_norm runs as several ops, each a pass over the activations), and
   SwiGLU's silu(gate) * up likewise.
@@ -15,11 +15,14 @@
 The C file is compiled at first use with the system's C compiler (`$CC`, or
 `cc`) into a cache directory (`$RINGSERVE_CACHE_DIR`, else
 `$XDG_CACHE_HOME/ringserve`, else `~/.cache/ringserve`), one library per
-source, compiler and CPU, written under a temporary name and renamed into
-place, so ranks starting together never load a half-written file. Where
-there is no compiler, the compile fails, or the CPU has no AVX-512, `load`
-says why in one log line and returns None: attention stays on the torch
-path, which gives the same results.
+source, compiler, flags and CPU, written under a temporary name and renamed
+into place, so ranks starting together never load a half-written file. It
+is compiled for this machine's CPU (`-march=native`), or for the target
+`$RINGSERVE_CPU_MARCH` names (`x86-64-v3`: AVX2, for a library shared by
+older machines). Where there is no compiler, the compile fails, or the
+target has neither AVX-512 nor AVX2 with FMA, `load` says why in one log
+line and returns None: every op stays on the torch path, which gives the
+same results.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ringserve.kernels.batch import ForwardBatch
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
 LIBS = ("-lm", "-lpthread")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 COMPILE_TIMEOUT_S = 120.0
@@ -80,26 +83,28 @@ class CpuKernels:
             ctypes.c_int64,
         ]  # fmt: skip
         self._rope = rope
-        self.vectorized = bool(library.vectorized())
+        self.lanes = int(library.vectorized())  # 16: AVX-512, 8: AVX2, 0: plain loops
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None) -> CpuKernels | None:
-        """The kernel built for this machine, compiling it when no cached
-        build exists; None (with the reason logged) when it cannot be had."""
+    def load(cls, cache_dir: Path | None = None, march: str | None = None) -> CpuKernels | None:
+        """The kernels built for this machine (or for `march`, else
+        $RINGSERVE_CPU_MARCH, else native), compiling them when no cached
+        build exists; None (with the reason logged) when they cannot be had."""
         compiler = shutil.which(os.environ.get("CC", "cc"))
         if compiler is None:
             log.info("cpu_kernels.torch", reason="no C compiler ($CC or cc) on PATH")
             return None
         try:
-            path = _build(compiler, cache_dir or _cache_dir())
+            target = march or os.environ.get("RINGSERVE_CPU_MARCH") or "native"
+            path = _build(compiler, cache_dir or _cache_dir(), (f"-march={target}",))
             kernel = cls(ctypes.CDLL(str(path)))
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:
             log.info("cpu_kernels.torch", reason=f"the kernel did not build: {exc}")
             return None
-        if not kernel.vectorized:
-            log.info("cpu_kernels.torch", reason="this CPU has no AVX-512")
+        if not kernel.lanes:
+            log.info("cpu_kernels.torch", reason="the target has neither AVX-512 nor AVX2 with FMA")
             return None
-        log.info("cpu_kernels.native", library=str(path))
+        log.info("cpu_kernels.native", library=str(path), lanes=kernel.lanes)
         return kernel
 
     def supports_decode(self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch) -> bool:
@@ -283,14 +288,14 @@ def _cache_dir() -> Path:
     return Path(base) / "ringserve"
 
 
-def _build(compiler: str, cache_dir: Path) -> Path:
-    """The cached library for this source, compiler and CPU, compiled first
-    when missing."""
+def _build(compiler: str, cache_dir: Path, target: tuple[str, ...]) -> Path:
+    """The cached library for this source, compiler, target and CPU,
+    compiled first when missing."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), version.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + target + LIBS).encode(), version.encode(),
                  platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
     path = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -301,7 +306,7 @@ def _build(compiler: str, cache_dir: Path) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS],
+            [compiler, *FLAGS, *target, str(SOURCE), "-o", tmp, *LIBS],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
