@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ringserve import LLM, SamplingParams
+from ringserve.cli import _config, parser
 from ringserve.config import EngineConfig
 from ringserve.kernels import ops
 from ringserve.kernels.attention_reference import paged_attention_reference, store_kv_reference
@@ -229,6 +230,14 @@ def test_a_cached_build_is_reused(kernel, tmp_path):
 def test_cpu_kernels_must_be_a_known_choice():
     with pytest.raises(ValueError, match="cpu_kernels"):
         EngineConfig(model_dir=Path("."), cpu_kernels="fast")
+
+
+def test_the_command_line_chooses_the_cpu_kernels():
+    assert _config(parser().parse_args(["launch"])).cpu_kernels == "native"
+    chosen = _config(parser().parse_args(["launch", "--cpu-kernels", "torch"]))
+    assert chosen.cpu_kernels == "torch"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["launch", "--cpu-kernels", "fast"])
 
 
 @pytest.mark.timeout(240)
