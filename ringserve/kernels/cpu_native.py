@@ -98,7 +98,7 @@ class CpuKernels:
             target = march or os.environ.get("RINGSERVE_CPU_MARCH") or "native"
             path = _build(compiler, cache_dir or _cache_dir(), (f"-march={target}",))
             kernel = cls(ctypes.CDLL(str(path)))
-        except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
             log.info("cpu_kernels.torch", reason=f"the kernel did not build: {exc}")
             return None
         if not kernel.lanes:
