@@ -83,6 +83,40 @@ def test_native_decode_attention_equals_the_reference(kernel, shape, dtype):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(4))
+def test_a_mixed_pass_attends_each_kind_apart_and_equals_the_reference(kernel, seed, dtype):
+    # decoding sequences with long contexts beside extensions (prefill chunks
+    # after a prefix, and whole prompts) in one pass, their rows interleaved
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    free = list(range(1, 4000))
+    rng.shuffle(free)
+    rows, extend = [], []
+    for _ in range(rng.randint(2, 9)):
+        n = rng.randint(1, 300)
+        rows.append([free.pop() for _ in range(n)])
+        extend.append(1 if rng.random() < 0.6 else rng.randint(1, n))
+    extend[0], extend[-1] = 1, max(2, min(len(rows[-1]), 5))
+    rows[-1] += [free.pop() for _ in range(max(0, extend[-1] - len(rows[-1])))]
+    k_cache = torch.randn(4000, 2, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(4000, 2, 64, generator=gen).to(dtype)
+    batch = ForwardBatch.build(rows, extend, [True] * len(rows), native=kernel)
+    assert not batch.decode_only
+    q = torch.randn(batch.num_tokens, 8, 64, generator=gen).to(dtype)
+    got = ops.paged_attention(q, k_cache, v_cache, batch, 0.125)
+    want = paged_attention_reference(q, k_cache, v_cache, batch, 0.125)
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    parts = batch.mixed_parts()
+    decoding = sum(e == 1 for e in extend)
+    assert parts.decode is not None and parts.decode.batch_size == decoding
+    assert parts.extend is not None and parts.extend.batch_size == len(rows) - decoding
+    assert sorted(parts.decode_rows.tolist() + parts.extend_rows.tolist()) == list(
+        range(batch.num_tokens)
+    )
+
+
 def test_native_threads_split_the_work_and_agree(kernel):
     q, k_cache, v_cache, batch = decode_case(3, 6, 8, 2, 64, torch.float32, 50)
     threads = torch.get_num_threads()

@@ -40,6 +40,7 @@ class ForwardBatch:
     num_tokens: int
     # the CPU's in-place decode attention, where the runner has one (cpu_native.py)
     native: CpuKernels | None = None
+    _parts: MixedParts | None = None  # `mixed_parts`, made once per pass
 
     @property
     def batch_size(self) -> int:
@@ -79,7 +80,8 @@ class ForwardBatch:
         if max(extend_lens) == 1:
             batch = cls._decode(rows, req_slots, seq_t, sample, dev)
         else:
-            batch = cls._extend(req_slots, seq_t, extend_lens, sample, dev)
+            ext_t = torch.tensor(extend_lens, dtype=torch.int64)
+            batch = cls._extend(req_slots, seq_t, ext_t, torch.tensor(sample), dev)
         batch.native = native
         return batch
 
@@ -120,13 +122,14 @@ class ForwardBatch:
         cls,
         req_slots: torch.Tensor,
         seq_t: torch.Tensor,
-        extend_lens: list[int],
-        sample: list[bool],
+        ext_t: torch.Tensor,
+        sample: torch.Tensor,
         dev: torch.device,
     ) -> ForwardBatch:
+        """From CPU tensors: slots [B, L], context lengths [B], new tokens
+        per sequence [B], and which sequences are sampled [B] bool."""
         bsz, width = req_slots.shape
-        q_max = max(extend_lens)
-        ext_t = torch.tensor(extend_lens, dtype=torch.int64)
+        q_max = int(ext_t.max())
         indptr = torch.zeros(bsz + 1, dtype=torch.int64)
         indptr[1:] = torch.cumsum(ext_t, 0)
         prefix = seq_t - ext_t
@@ -140,7 +143,7 @@ class ForwardBatch:
         )
         positions = q_pos[q_valid]
         out_slots = req_slots[torch.arange(bsz)[:, None], q_pos.clamp(max=width - 1)][q_valid]
-        sample_rows = (indptr[1:] - 1)[torch.tensor(sample, dtype=torch.bool)]
+        sample_rows = (indptr[1:] - 1)[sample.to(torch.bool)]
         return cls(
             positions=positions.to(dev),
             out_slots=out_slots.to(dev),
@@ -156,3 +159,45 @@ class ForwardBatch:
             max_extend=q_max,
             num_tokens=int(indptr[-1]),
         )
+
+    def mixed_parts(self) -> MixedParts:
+        """This pass's sequences split into those that decode one token and
+        those that extend by more, each as a batch of its own (cut to its own
+        longest context), with the rows of its queries: attention over one
+        padded batch would pad every decoding sequence to the longest
+        extension's queries and every extension to the longest context."""
+        if self._parts is None:
+            self._parts = MixedParts.of(self)
+        return self._parts
+
+
+@dataclass(frozen=True, slots=True)
+class MixedParts:
+    """`decode` attends the queries at rows `decode_rows`, `extend` those at
+    `extend_rows` (each None when no sequence is of its kind)."""
+
+    decode: ForwardBatch | None
+    decode_rows: torch.Tensor
+    extend: ForwardBatch | None
+    extend_rows: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> MixedParts:
+        dev = batch.req_slots.device
+        one = batch.extend_lens == 1
+        parts: list[tuple[ForwardBatch | None, torch.Tensor]] = []
+        for chosen in (one, ~one):
+            seqs = chosen.nonzero()[:, 0]
+            if seqs.numel() == 0:
+                parts.append((None, seqs))
+                continue
+            seq_t = batch.seq_lens[seqs].cpu()
+            slots = batch.req_slots[seqs, : int(seq_t.max())].cpu()
+            ext_t = batch.extend_lens[seqs].cpu()
+            sub = ForwardBatch._extend(
+                slots, seq_t, ext_t, torch.zeros(len(seqs), dtype=torch.bool), dev
+            )
+            rows = batch.q_index[seqs][batch.q_valid[seqs]]  # each query's row, in order
+            parts.append((sub, rows))
+        (decode, decode_rows), (extend, extend_rows) = parts
+        return cls(decode, decode_rows, extend, extend_rows)

@@ -47,12 +47,38 @@ def paged_attention(
 ) -> torch.Tensor:
     if not uses_triton(q.device):
         native = batch.native
-        if native is not None and native.supports_decode(q, k_cache, batch):
-            return native.decode_attention(q, k_cache, v_cache, batch, scale)
-        return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+        if native is None:
+            return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+        if batch.decode_only:
+            return _cpu_decode(native, q, k_cache, v_cache, batch, scale)
+        # A pass that mixes decoding and extending sequences: each kind apart
+        parts = batch.mixed_parts()
+        if parts.decode is None:
+            return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+        out = torch.empty_like(q)
+        if parts.decode is not None:
+            rows = parts.decode_rows
+            out[rows] = _cpu_decode(native, q[rows], k_cache, v_cache, parts.decode, scale)
+        if parts.extend is not None:
+            rows = parts.extend_rows
+            out[rows] = paged_attention_reference(q[rows], k_cache, v_cache, parts.extend, scale)
+        return out
     if batch.decode_only:
         return decode.decode_attention(q, k_cache, v_cache, batch, scale)
     return extend.extend_attention(q, k_cache, v_cache, batch, scale)
+
+
+def _cpu_decode(
+    native: CpuKernels,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    if native.supports_decode(q, k_cache, batch):
+        return native.decode_attention(q, k_cache, v_cache, batch, scale)
+    return paged_attention_reference(q, k_cache, v_cache, batch, scale)
 
 
 def rmsnorm(
