@@ -21,7 +21,11 @@ def test_decode_batch_equals_the_general_build() -> None:
         width = max(lens)
         padded = torch.tensor([r + [0] * (width - len(r)) for r in rows])
         general = ForwardBatch._extend(
-            padded, torch.tensor(lens), [1] * len(rows), sample, torch.device("cpu")
+            padded,
+            torch.tensor(lens),
+            torch.ones(len(rows), dtype=torch.int64),
+            torch.tensor(sample),
+            torch.device("cpu"),
         )
         for name in FIELDS:
             a, b = getattr(fast, name), getattr(general, name)
