@@ -56,9 +56,8 @@ def paged_attention(
         if parts.decode is None:
             return paged_attention_reference(q, k_cache, v_cache, batch, scale)
         out = torch.empty_like(q)
-        if parts.decode is not None:
-            rows = parts.decode_rows
-            out[rows] = _cpu_decode(native, q[rows], k_cache, v_cache, parts.decode, scale)
+        rows = parts.decode_rows
+        out[rows] = _cpu_decode(native, q[rows], k_cache, v_cache, parts.decode, scale)
         if parts.extend is not None:
             rows = parts.extend_rows
             out[rows] = paged_attention_reference(q[rows], k_cache, v_cache, parts.extend, scale)
