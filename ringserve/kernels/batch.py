@@ -143,7 +143,7 @@ class ForwardBatch:
         )
         positions = q_pos[q_valid]
         out_slots = req_slots[torch.arange(bsz)[:, None], q_pos.clamp(max=width - 1)][q_valid]
-        sample_rows = (indptr[1:] - 1)[sample.to(torch.bool)]
+        sample_rows = (indptr[1:] - 1)[sample]
         return cls(
             positions=positions.to(dev),
             out_slots=out_slots.to(dev),

@@ -33,7 +33,7 @@ typedef struct {
     const void *q, *k, *v;
     void *out;
     const int64_t *slots, *lens;
-    int64_t batch, width, hq, hkv, dim, dtype;
+    int64_t width, hq, hkv, dim, dtype;
     float scale;
     int64_t first, last; /* work items [first, last) */
     int status;
@@ -66,8 +66,9 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
  * with a stored row (dot, and dot4 for four rows at once), the weighted sum
  * of rows (weigh), x = exp(x - top) returning the sum (exp_shift), and silu.
  * They are written once over `vec`, LANES floats wide: 16 with AVX-512, 8
- * with AVX2 and FMA. Rows a multiple of 16 long take them; anything else,
- * and a build for a CPU with neither, runs plain loops. */
+ * with AVX2 and FMA. Decode attention needs them (head sizes a multiple of
+ * 16); the norm and silu run plain loops over what the lanes leave, and
+ * alone in a build for a CPU with neither. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LANES 16
@@ -246,112 +247,65 @@ static inline float exp_shift(float *x, int64_t n, float top) {
     for (; l < n; ++l) total += (x[l] = expf(x[l] - top));
     return total;
 }
-#define VECTOR_ROWS(dim) ((dim) % 16 == 0)
 
 /* silu(x) = x / (1 + exp(-x)), LANES at a time */
 static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero(), x)))); }
-#else
-#define DEFINE_VECTOR(SUFFIX, ELEM)                                                           \
-    static inline float dot_##SUFFIX(const float *q, const ELEM *k, int64_t n) {              \
-        (void)q, (void)k, (void)n;                                                            \
-        return 0.0f;                                                                          \
-    }                                                                                         \
-    static inline void dot4_##SUFFIX(const float *q, const ELEM *k0, const ELEM *k1,          \
-                                     const ELEM *k2, const ELEM *k3, int64_t n, float *out) { \
-        (void)q, (void)k0, (void)k1, (void)k2, (void)k3, (void)n, (void)out;                  \
-    }                                                                                         \
-    static inline void weigh_##SUFFIX(float *out, const float *p, const ELEM *base,            \
-                                      const int64_t *slots, int64_t len, int64_t row_len,      \
-                                      int64_t n) {                                            \
-        (void)out, (void)p, (void)base, (void)slots, (void)len, (void)row_len, (void)n;       \
-    }
-DEFINE_VECTOR(f32, float)
-DEFINE_VECTOR(bf16, uint16_t)
-
-static inline float exp_shift(float *x, int64_t n, float top) {
-    float total = 0.0f;
-    for (int64_t l = 0; l < n; ++l) total += (x[l] = expf(x[l] - top));
-    return total;
-}
-#define VECTOR_ROWS(dim) 0
 #endif
 
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
 
+#ifdef LANES
+
 /* One sequence's attention, for one storage type: ELEM is the stored
  * element, LOAD turns one into a float, STORE writes a float back. A slot's
  * K (or V) row holds every KV head, so each row is read once, front to back,
- * for all the heads: one scattered access per slot instead of one per head. */
-#define DEFINE_ITEM(SUFFIX, ELEM, LOAD, STORE)                                                \
-    static void item_##SUFFIX(const Job *job, int64_t b, float *qf, float *acc,               \
-                              float *scores) {                                                \
-        const int64_t hq = job->hq, hkv = job->hkv, group = hq / hkv, dim = job->dim;         \
-        const int64_t width = job->width, len = job->lens[b], row_len = hkv * dim;            \
-        const int64_t *slots = job->slots + b * width;                                        \
-        const int vector = VECTOR_ROWS(dim);                                                  \
-        const ELEM *q = (const ELEM *)job->q + b * hq * dim;                                  \
-        const ELEM *kc = (const ELEM *)job->k, *vc = (const ELEM *)job->v;                    \
-        for (int64_t i = 0; i < hq * dim; ++i) qf[i] = LOAD(q[i]) * job->scale;               \
-        int64_t l = 0;                                                                        \
-        if (vector) {                                                                         \
-            float four[4];                                                                    \
-            for (; l + 4 <= len; l += 4) {                                                    \
-                const ELEM *r0 = kc + slots[l] * row_len, *r1 = kc + slots[l + 1] * row_len;  \
-                const ELEM *r2 = kc + slots[l + 2] * row_len, *r3 = kc + slots[l + 3] * row_len; \
-                for (int64_t m = 4; m < 4 + AHEAD && l + m < len; ++m)                        \
-                    prefetch_row(kc + slots[l + m] * row_len, row_len * sizeof(ELEM));        \
-                for (int64_t h = 0, i = 0; h < hkv; ++h) {                                    \
-                    const int64_t at = h * dim;                                               \
-                    for (int64_t j = 0; j < group; ++j, ++i) {                                \
-                        dot4_##SUFFIX(qf + i * dim, r0 + at, r1 + at, r2 + at, r3 + at, dim,  \
-                                      four);                                                  \
-                        memcpy(scores + i * width + l, four, sizeof four);                    \
-                    }                                                                         \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
-        for (; l < len; ++l) {                                                                \
-            const ELEM *row = kc + slots[l] * row_len;                                        \
-            for (int64_t h = 0, i = 0; h < hkv; ++h) {                                        \
-                const ELEM *k = row + h * dim;                                                \
-                for (int64_t j = 0; j < group; ++j, ++i) {                                    \
-                    const float *qi = qf + i * dim;                                           \
-                    float s = 0.0f;                                                           \
-                    if (vector) {                                                             \
-                        s = dot_##SUFFIX(qi, k, dim);                                         \
-                    } else {                                                                  \
-                        for (int64_t d = 0; d < dim; ++d) s += qi[d] * LOAD(k[d]);            \
-                    }                                                                         \
-                    scores[i * width + l] = s;                                                \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
-        for (int64_t i = 0; i < hq; ++i) {                                                    \
-            float *si = scores + i * width;                                                   \
-            float top = -INFINITY;                                                            \
-            for (int64_t l = 0; l < len; ++l) top = si[l] > top ? si[l] : top;                \
-            const float total = exp_shift(si, len, top);                                      \
-            const float inv = len > 0 ? 1.0f / total : 0.0f;                                  \
-            for (int64_t l = 0; l < len; ++l) si[l] *= inv;                                   \
-        }                                                                                     \
-        for (int64_t h = 0, i = 0; h < hkv; ++h) {                                            \
-            for (int64_t j = 0; j < group; ++j, ++i) {                                        \
-                const float *p = scores + i * width;                                          \
-                float *ai = acc + i * dim;                                                    \
-                if (vector) {                                                                 \
-                    weigh_##SUFFIX(ai, p, vc + h * dim, slots, len, row_len, dim);            \
-                    continue;                                                                 \
-                }                                                                             \
-                memset(ai, 0, (size_t)dim * sizeof(float));                                   \
-                for (int64_t l = 0; l < len; ++l) {                                           \
-                    const ELEM *v = vc + slots[l] * row_len + h * dim;                        \
-                    for (int64_t d = 0; d < dim; ++d) ai[d] += p[l] * LOAD(v[d]);             \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
-        ELEM *o = (ELEM *)job->out + b * hq * dim;                                            \
-        for (int64_t i = 0; i < hq * dim; ++i) o[i] = STORE(acc[i]);                          \
+ * for all the heads: one scattered access per slot instead of one per head.
+ * Head sizes are a multiple of 16 (the caller checks). */
+#define DEFINE_ITEM(SUFFIX, ELEM, LOAD, STORE)                                                 \
+    static void item_##SUFFIX(const Job *job, int64_t b, float *qf, float *acc,                \
+                              float *scores) {                                                 \
+        const int64_t hq = job->hq, hkv = job->hkv, group = hq / hkv, dim = job->dim;          \
+        const int64_t width = job->width, len = job->lens[b], row_len = hkv * dim;             \
+        const int64_t *slots = job->slots + b * width;                                         \
+        const ELEM *q = (const ELEM *)job->q + b * hq * dim;                                   \
+        const ELEM *kc = (const ELEM *)job->k, *vc = (const ELEM *)job->v;                     \
+        for (int64_t i = 0; i < hq * dim; ++i) qf[i] = LOAD(q[i]) * job->scale;                \
+        int64_t l = 0;                                                                         \
+        float four[4];                                                                         \
+        for (; l + 4 <= len; l += 4) {                                                         \
+            const ELEM *r0 = kc + slots[l] * row_len, *r1 = kc + slots[l + 1] * row_len;       \
+            const ELEM *r2 = kc + slots[l + 2] * row_len, *r3 = kc + slots[l + 3] * row_len;   \
+            for (int64_t m = 4; m < 4 + AHEAD && l + m < len; ++m)                             \
+                prefetch_row(kc + slots[l + m] * row_len, row_len * sizeof(ELEM));             \
+            for (int64_t h = 0, i = 0; h < hkv; ++h) {                                         \
+                const int64_t at = h * dim;                                                    \
+                for (int64_t j = 0; j < group; ++j, ++i) {                                     \
+                    dot4_##SUFFIX(qf + i * dim, r0 + at, r1 + at, r2 + at, r3 + at, dim, four); \
+                    memcpy(scores + i * width + l, four, sizeof four);                         \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (; l < len; ++l) {                                                                 \
+            const ELEM *row = kc + slots[l] * row_len;                                         \
+            for (int64_t h = 0, i = 0; h < hkv; ++h)                                           \
+                for (int64_t j = 0; j < group; ++j, ++i)                                       \
+                    scores[i * width + l] = dot_##SUFFIX(qf + i * dim, row + h * dim, dim);    \
+        }                                                                                      \
+        for (int64_t i = 0; i < hq; ++i) {                                                     \
+            float *si = scores + i * width;                                                    \
+            float top = -INFINITY;                                                             \
+            for (int64_t l = 0; l < len; ++l) top = si[l] > top ? si[l] : top;                 \
+            const float total = exp_shift(si, len, top);                                       \
+            const float inv = len > 0 ? 1.0f / total : 0.0f;                                   \
+            for (int64_t l = 0; l < len; ++l) si[l] *= inv;                                    \
+        }                                                                                      \
+        for (int64_t h = 0, i = 0; h < hkv; ++h)                                               \
+            for (int64_t j = 0; j < group; ++j, ++i)                                           \
+                weigh_##SUFFIX(acc + i * dim, scores + i * width, vc + h * dim, slots, len,    \
+                               row_len, dim);                                                  \
+        ELEM *o = (ELEM *)job->out + b * hq * dim;                                             \
+        for (int64_t i = 0; i < hq * dim; ++i) o[i] = STORE(acc[i]);                           \
     }
 
 DEFINE_ITEM(f32, float, F32_LOAD, F32_STORE)
@@ -382,20 +336,20 @@ static void *run_thread(void *arg) {
     return NULL;
 }
 
-/* Returns 0 on success, 1 when memory ran out, 2 when a thread could not start. */
+/* Returns 0 on success, 1 when memory ran out, 2 when a thread could not
+ * start (3: built without vectors, below). */
 int decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *req_slots, const int64_t *seq_lens, int64_t batch,
                      int64_t width, int64_t hq, int64_t hkv, int64_t dim, int64_t dtype,
                      float scale, int64_t threads) {
-    const int64_t items = batch;
     if (threads < 1) threads = 1;
-    if (threads > items) threads = items > 0 ? items : 1;
+    if (threads > batch) threads = batch > 0 ? batch : 1;
     Job jobs[threads];
     pthread_t ids[threads];
     int started[threads];
     for (int64_t t = 0; t < threads; ++t) {
-        jobs[t] = (Job){q, k_cache, v_cache, out, req_slots, seq_lens, batch, width, hq, hkv,
-                        dim, dtype, scale, items * t / threads, items * (t + 1) / threads, 0};
+        jobs[t] = (Job){q, k_cache, v_cache, out, req_slots, seq_lens, width, hq, hkv, dim,
+                        dtype, scale, batch * t / threads, batch * (t + 1) / threads, 0};
         started[t] = 0;
     }
     int status = 0;
@@ -413,6 +367,20 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
     if (jobs[0].status) status = jobs[0].status;
     return status;
 }
+
+#else
+/* Built for a target with neither vector set: `vectorized` says 0 and the
+ * caller never attends here. */
+int decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                     const int64_t *req_slots, const int64_t *seq_lens, int64_t batch,
+                     int64_t width, int64_t hq, int64_t hkv, int64_t dim, int64_t dtype,
+                     float scale, int64_t threads) {
+    (void)q, (void)k_cache, (void)v_cache, (void)out, (void)req_slots, (void)seq_lens;
+    (void)batch, (void)width, (void)hq, (void)hkv, (void)dim, (void)dtype, (void)scale;
+    (void)threads;
+    return 3;
+}
+#endif
 
 /* The sum of squares of n floats. */
 static inline float sum_squares(const float *x, int64_t n) {
