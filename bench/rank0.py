@@ -72,9 +72,9 @@ class TimedStage:
         self.stage, self.times, self.calls = stage, [], []
         self.compute_inner = stage.compute
 
-    def compute(self, decision, rows, hidden):
+    def compute(self, decision, rows, hidden, masks=None):
         began = time.perf_counter()
-        out = self.compute_inner(decision, rows, hidden)
+        out = self.compute_inner(decision, rows, hidden, masks)
         self.times.append(time.perf_counter() - began)
         self.calls.append((decision, [Row(r.sampling, r.slots[:]) for r in rows]))
         return out

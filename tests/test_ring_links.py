@@ -23,7 +23,7 @@ from ringserve.ring.errors import LinkError
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.messages import Control, ControlKind, Hidden, Output, Void
 from ringserve.ring.watchdog import Liveness, Owed, watched
-from tests.ring_peer import ANNOUNCED
+from tests.ring_peer import ANNOUNCED, SIZED_PASSES
 
 PEER = Path(__file__).with_name("ring_peer.py")
 ROOT = PEER.parent.parent
@@ -197,6 +197,16 @@ def test_announced_tensors_arrive_into_receives_posted_ahead(ring) -> None:
     assert "announced" in refused[0] and "announced" in refused[1]
     assert "out of turn" in refused[2]
     assert peers.records(1, "link.failed") == [] and peers.records(0, "link.failed") == []
+
+
+@pytest.mark.timeout(60)
+def test_frames_of_every_size_arrive_in_send_order(ring) -> None:
+    """Small frames are posted by the loop, big ones by the sender thread:
+    back to back, neither overtakes the other."""
+    peers = ring("sizes", 2, {0: ["--max-in-flight", "16"]})
+    assert peers.finish() == [0, 0], peers.diagnostics()
+    got = peers.result(1)
+    assert got["order"] == list(range(SIZED_PASSES)) and got["errors"] == []
 
 
 @pytest.mark.timeout(60)

@@ -83,8 +83,11 @@ class RecvLink:
         Two head buffers take turns: one is posted while the other is read."""
         reason, failed = f"rank {self.peer} shut the link down", False
         try:
-            head, spare, final = codec.empty_head(), codec.empty_head(), False
-            self._posted = [self._post(head, self.tag)]
+            # Each head with its byte view, made once: a torch op per frame
+            # costs more than the reading it serves.
+            head = (t := codec.empty_head(), codec.head_view(t))
+            spare, final = (t := codec.empty_head(), codec.head_view(t)), False
+            self._posted = [self._post(head[0], self.tag)]
             while not final:
                 msg, tensors, final = self._receive_frame(head, spare)
                 head, spare = spare, head
@@ -95,25 +98,28 @@ class RecvLink:
         call_on_loop(self._loop, self._end, reason, failed)
 
     def _receive_frame(
-        self, head: torch.Tensor, following: torch.Tensor
+        self, head_buf: tuple[torch.Tensor, memoryview], following: tuple[torch.Tensor, memoryview]
     ) -> tuple[Message, tuple[torch.Tensor, ...], bool]:
-        """Finish the frame whose head receive is posted, and post the next
-        head into `following`; returns the message, its tensors, finality."""
+        """Finish the frame whose head receive is posted into `head_buf`, and
+        post the next head into `following` (each a head and its view);
+        returns the message, its tensors, finality."""
         self._posted[0].wait()
-        announced = codec.unpack_header(head)
+        head, view = head_buf
+        announced = codec.unpack_header(view)
         parts = (
             [torch.empty(announced.payload_len, dtype=torch.uint8)] if announced.overflow else []
         )
-        inline = () if announced.preposted else tuple(s.empty() for s in announced.tensors)
+        separate = not (announced.preposted or announced.inline_tensors)
+        inline = tuple(s.empty() for s in announced.tensors) if separate else ()
         posted = [self._post(buf, self.tag) for buf in (*parts, *inline)]
         # The next head's receive goes up before this frame's parts land,
         # so the peer's next message never waits for this thread.
-        self._posted = posted + ([] if announced.final else [self._post(following, self.tag)])
+        self._posted = posted + ([] if announced.final else [self._post(following[0], self.tag)])
         if announced.overflow:
             posted[0].wait()
             msg = codec.decode(memoryview(parts[0].numpy()))
         else:
-            msg = codec.decode(codec.inline_payload(head, announced))
+            msg = codec.decode(codec.inline_payload(view, announced))
         if codec.is_final(msg) != announced.final:
             raise codec.FrameError(f"a {type(msg).__name__} frame has final={announced.final}")
         tensors, placeholders = self._announced_tensors(msg, announced)
@@ -121,10 +127,15 @@ class RecvLink:
         for work in posted[len(parts) :]:
             work.wait()
         self._posted = self._posted[len(posted) :]
-        tensors = inline if tensors is None else tensors
+        if announced.inline_tensors:
+            tensors = codec.inline_tensors(head, announced)
+        elif tensors is None:
+            tensors = inline
         if self._trace:
             # placeholders crossed the wire too: count them as the sender does
-            nbytes = codec.HEAD_BYTES + placeholders + sum(t.nbytes for t in (*parts, *tensors))
+            # (and inline tensors did not: they were in the head)
+            carried = () if announced.inline_tensors else tensors
+            nbytes = codec.HEAD_BYTES + placeholders + sum(t.nbytes for t in (*parts, *carried))
             log_message("msg.received", msg, nbytes, self.peer)
         return msg, tensors, announced.final
 
