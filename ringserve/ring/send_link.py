@@ -217,9 +217,9 @@ class SendLink:
 
     def _observe(self) -> None:
         """Sender thread: post each message's parts in order (unless the loop
-        posted them already), then wait on
-        their Work handles, holding handles and buffers until the waits
-        return (dropping them aborts the send and the peer waits for ever).
+        posted them already), then wait on their Work handles, holding
+        handles and buffers until the waits return (dropping them aborts the
+        send and the peer waits for ever).
         Messages queued meanwhile are posted before the first wait, so
         several can be on the wire at once."""
         while (first := self._queue.get()) is not None:
