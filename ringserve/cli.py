@@ -76,7 +76,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--passes-in-flight",
         type=int,
-        help="micro-batches in flight (default: the number of ranks)",
+        help="the most micro-batches in flight; those past the number of ranks open only "
+        "while requests wait for them (default: ranks + 1 on a ring, 1 on one rank)",
     )
     p.add_argument(
         "--max-waiting-requests",

@@ -20,9 +20,13 @@ from ringserve.sched.request import Phase, RequestFactory
 from ringserve.sched.scheduler import Scheduler, SchedulerConfig
 
 
-def make(capacity: int = 256, passes_in_flight: int = 1, **overrides) -> Scheduler:
+def make(
+    capacity: int = 256, passes_in_flight: int = 1, busy_passes: int | None = None, **overrides
+) -> Scheduler:
     engine = EngineConfig(Path("unused"), **overrides)
-    cfg = SchedulerConfig.from_engine(engine, model_limit=1024, passes_in_flight=passes_in_flight)
+    cfg = SchedulerConfig.from_engine(
+        engine, model_limit=1024, passes_in_flight=passes_in_flight, busy_passes=busy_passes
+    )
     alloc = SlotAllocator(capacity)
     return Scheduler(cfg, alloc, RadixCache(alloc))
 
@@ -262,6 +266,29 @@ def test_requests_are_shared_between_micro_batch_slots(factory):
     }
     sched.on_output(oracle(d0))
     sched.on_output(oracle(d2))
+    run_all(sched)
+
+
+def test_a_pass_past_the_busy_ones_opens_only_for_requests_that_would_wait() -> None:
+    cfg = make(passes_in_flight=3, busy_passes=2, max_batch=32).config
+    opened = {live: cfg.open_slots(live) for live in (0, 1, 32, 64, 80, 81, 96, 500)}
+    assert opened == {0: 2, 1: 2, 32: 2, 64: 2, 80: 2, 81: 3, 96: 3, 500: 3}
+    assert make(passes_in_flight=3, max_batch=32).config.open_slots(1) == 3  # all busy
+
+
+@pytest.mark.parametrize(("live", "passes"), [(8, [4, 4]), (10, [4, 4]), (11, [4, 4, 3])])
+def test_an_extra_pass_carries_waiting_requests_and_rows_stay_balanced(factory, live, passes):
+    sched = make(passes_in_flight=3, busy_passes=2, max_batch=4)
+    for i in range(live):
+        submit(sched, factory, [i, 50 + i], max_tokens=6)
+    first = sched.schedule()  # the prompts: each pass takes its share of them
+    flight = [first]
+    while (d := sched.schedule()) is not None:
+        flight.append(d)
+    assert sorted((len(d.entries) for d in flight), reverse=True) == passes
+    assert len({d.mb_slot for d in flight}) == len(passes)
+    for d in flight:
+        sched.on_output(oracle(d))
     run_all(sched)
 
 

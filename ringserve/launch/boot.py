@@ -142,11 +142,21 @@ class RankZero:
     new_request: RequestFactory
 
 
+def default_depth(world: int) -> int:
+    """The most passes in flight a ring of `world` ranks runs by default: one
+    per rank keeps every stage busy, and a ring of several opens one more
+    while requests wait for it (`SchedulerConfig.open_slots`), so the hops and
+    rank 0's own work between passes hide behind a full pass."""
+    return world + 1 if world > 1 else 1
+
+
 def build_rank_zero(config: EngineConfig, cfg: ModelConfig, world: int) -> RankZero:
-    passes_in_flight = config.passes_in_flight or world
+    depth = config.passes_in_flight or default_depth(world)
     allocator = SlotAllocator(config.kv_capacity_tokens)
     scheduler = Scheduler(
-        SchedulerConfig.from_engine(config, cfg.max_position_embeddings, passes_in_flight),
+        SchedulerConfig.from_engine(
+            config, cfg.max_position_embeddings, depth, busy_passes=min(world, depth)
+        ),
         allocator,
         prefix_cache(allocator, config.host_kv_tokens),
     )

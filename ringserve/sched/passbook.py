@@ -76,10 +76,6 @@ class PassBook:
         self._next_slot = 0
         self._to_drop: list[int] = []
 
-    @property
-    def full(self) -> bool:
-        return len(self.in_flight) >= self.slots
-
     def free_slots(self) -> list[int]:
         """Slots with no pass in flight, in round-robin order from the next one."""
         busy = {p.decision.mb_slot for p in self.in_flight.values()}

@@ -31,8 +31,12 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Budgets of one pass. `passes_in_flight` is the pipeline depth S. The
-    defaults are `EngineConfig`'s: build one with `from_engine`."""
+    """Budgets of one pass. `passes_in_flight` is the pipeline depth S, the
+    most passes in flight; `busy_passes` of them (the ring's ranks, enough
+    to keep every stage busy) are always open, and each one past them opens
+    only once the live requests would fill half of it beyond full passes in
+    the open ones (None: all S always open). The defaults are
+    `EngineConfig`'s: build one with `from_engine`."""
 
     max_model_len: int
     max_tokens_per_pass: int
@@ -46,16 +50,34 @@ class SchedulerConfig:
     ngram_min: int = 2
     speculative_adaptive: bool = True
     speculative_method: str = "ngram"  # or "draft": proposals offered by rank 0's draft model
+    busy_passes: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_tokens_per_pass, self.chunk_size, self.max_batch) < 1:
             raise ValueError("pass budgets must be >= 1")
         if self.passes_in_flight < 1 or self.max_retries < 0:
             raise ValueError("passes_in_flight must be >= 1 and max_retries >= 0")
+        if self.busy_passes is not None and self.busy_passes < 1:
+            raise ValueError("busy_passes must be >= 1")
+
+    def open_slots(self, live: int) -> int:
+        """How many passes may be in flight while `live` requests are: a
+        pass past the busy ones is worth its stage time only when it carries
+        requests that would otherwise wait (a thinner split of the same rows
+        costs more per row, on a CPU, and saves nothing on a GPU)."""
+        depth, busy = self.passes_in_flight, self.busy_passes or self.passes_in_flight
+        if busy >= depth:
+            return depth
+        wanted = -(-(live - self.max_batch // 2) // self.max_batch)
+        return max(busy, min(depth, wanted))
 
     @classmethod
     def from_engine(
-        cls, config: EngineConfig, model_limit: int, passes_in_flight: int
+        cls,
+        config: EngineConfig,
+        model_limit: int,
+        passes_in_flight: int,
+        busy_passes: int | None = None,
     ) -> SchedulerConfig:
         """The budgets `config` gives a model whose context is `model_limit`
         long. A context never outgrows the KV pool (one request alone must
@@ -83,6 +105,7 @@ class SchedulerConfig:
             ngram_min=config.ngram_min,
             speculative_adaptive=config.speculative_adaptive,
             speculative_method=config.speculative or "ngram",
+            busy_passes=busy_passes,
         )
 
 
@@ -173,9 +196,10 @@ class Scheduler:
         an equal share of the live requests, so no pass runs fat behind a
         thin one: a request owns no slot, and the surplus of a fat pass
         rides in the next one."""
-        if self.passes.full:
+        open_slots = self.config.open_slots(self.table.live)
+        if len(self.in_flight) >= open_slots:
             return None
-        share = -(-self.table.live // self.config.passes_in_flight)
+        share = -(-self.table.live // open_slots)
         for slot in self.passes.free_slots():
             draft = Draft(self.config.max_tokens_per_pass, slot, share)
             self._extend_running(draft)
