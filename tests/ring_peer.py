@@ -313,15 +313,15 @@ async def retention(peer: Peer) -> None:
 
 def sized_tensor(pass_id: int) -> torch.Tensor:
     """Hidden(pass_id)'s tensor in the sizes scenario: in turn one that rides
-    in the head, one sent beside it by the loop, and one too big for the
-    loop to post (`send_link.DIRECT_POST_BYTES`), handed to the sender thread."""
+    in the head, one sent beside it, and one that outgrows gloo's eager
+    writes (hundreds of KiB)."""
     numel = (16, 5000, 100_000)[pass_id % 3]
     return torch.arange(numel, dtype=torch.float32) + pass_id
 
 
 async def sizes(peer: Peer) -> None:
-    """Small and big frames back to back arrive in send order, whichever
-    thread posted them."""
+    """Frames of one, two and more gloo messages back to back arrive in
+    send order, each with its own tensor."""
     if peer.rank == 0:
         for p in range(SIZED_PASSES):
             await peer.send.send(Hidden(p), (sized_tensor(p),))

@@ -28,23 +28,13 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-# A frame this small is posted to gloo by the loop thread itself, which
-# puts it on the wire at once; a bigger one goes to the sender thread, since
-# gloo writes as much as the peer's posted receive takes inside the call
-# (measured: about 1.3 ms for 4 MiB), too long a stall for the loop.
-DIRECT_POST_BYTES = 64 << 10
-
-
 @dataclass(slots=True)
 class _Outgoing:
     """One message for the sender thread: its parts (buffer, tag) in order,
-    every buffer they read, kept until the sends completed, and, when the
-    loop thread posted it already, the Work handles (and the failure) of
-    that post."""
+    and every buffer they read, kept until the sends completed."""
 
     parts: list[tuple[torch.Tensor, int]]
     buffers: list[torch.Tensor]
-    posted: tuple[list[dist.Work], str | None] | None = None
 
 
 class SendLink:
@@ -80,13 +70,9 @@ class SendLink:
         # The sender thread counts completions itself and calls the loop
         # only when a send or flush waits on one (or a send failed), so a
         # message costs the sending loop no wake-up of its own.
-        self._lock = threading.Lock()  # guards the three counts and _wake_wanted
+        self._lock = threading.Lock()  # guards the two counts and _wake_wanted
         self._posted = 0  # messages handed to gloo; the loop thread counts them
         self._done = 0  # of those, observed complete; the sender thread counts them
-        # Messages queued for the sender thread to post, not yet posted: the
-        # loop posts a frame itself only when none is, so parts reach gloo
-        # in send order whichever thread posts them.
-        self._unposted = 0
         self._wake_wanted = False
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._settle_waiters: list[asyncio.Future[None]] = []
@@ -137,18 +123,12 @@ class SendLink:
         if fr.payload is not None:
             parts.append((fr.payload, self.tag))
         parts += [(t, tag) for t in (*fr.tensors, *ahead)]
-        # A small frame is posted here and only waited on by the sender
-        # thread; a big one is posted there too, since gloo can block its
-        # caller while it writes (see DIRECT_POST_BYTES).
-        nbytes = sum(b.nbytes for b, _ in parts)
-        out = _Outgoing(parts, [*fr.buffers, *ahead])
-        with self._lock:
-            direct = nbytes <= DIRECT_POST_BYTES and self._unposted == 0
-            self._unposted += 0 if direct else 1
-        if direct:
-            out.posted = self._post(out)
-        self._queue.put(out)
+        # The sender thread posts the parts, in order, and waits on them: a
+        # gloo send can block its caller while it writes, and the loop must
+        # not wait for that.
+        self._queue.put(_Outgoing(parts, [*fr.buffers, *ahead]))
         self._raise_if_failed()
+        nbytes = sum(b.nbytes for b, _ in parts)
         self.sent_bytes += nbytes
         if self._trace:
             log_message("msg.sent", msg, nbytes, self.peer)
@@ -216,10 +196,9 @@ class SendLink:
         await self.flush()
 
     def _observe(self) -> None:
-        """Sender thread: post each message's parts in order (unless the loop
-        posted them already), then wait on their Work handles, holding
-        handles and buffers until the waits return (dropping them aborts the
-        send and the peer waits for ever).
+        """Sender thread: post each message's parts in order, then wait on
+        their Work handles, holding handles and buffers until the waits
+        return (dropping them aborts the send and the peer waits for ever).
         Messages queued meanwhile are posted before the first wait, so
         several can be on the wire at once."""
         while (first := self._queue.get()) is not None:
@@ -229,20 +208,13 @@ class SendLink:
                 last = nxt is None
                 if nxt is not None:
                     batch.append(nxt)
-            posted = [out.posted or self._post_queued(out) for out in batch]
+            posted = [self._post(out) for out in batch]
             for works, reason in posted:
                 reason = wait_works(works) or reason
                 if not self._complete(reason):
                     return
             if last:
                 return
-
-    def _post_queued(self, out: _Outgoing) -> tuple[list[dist.Work], str | None]:
-        """Sender thread: post a message the loop queued unposted."""
-        posted = self._post(out)
-        with self._lock:
-            self._unposted -= 1
-        return posted
 
     def _post(self, out: _Outgoing) -> tuple[list[dist.Work], str | None]:
         works: list[dist.Work] = []
