@@ -201,8 +201,7 @@ def test_announced_tensors_arrive_into_receives_posted_ahead(ring) -> None:
 
 @pytest.mark.timeout(60)
 def test_frames_of_every_size_arrive_in_send_order(ring) -> None:
-    """Frames carried in the head, beside it, and big ones, back to back:
-    none overtakes another."""
+    """Small frames right behind big ones: none overtakes another."""
     peers = ring("sizes", 2, {0: ["--max-in-flight", "16"]})
     assert peers.finish() == [0, 0], peers.diagnostics()
     got = peers.result(1)

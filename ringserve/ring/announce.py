@@ -14,10 +14,6 @@ at all (a void Hidden; the link then sends placeholders of the announced
 shapes, and the receiver delivers no tensors). What is still owed when the
 link shuts down is filled with placeholders too, so no receive is left
 posted. A break of the contract raises FrameError instead of desynchronising.
-
-Tensors of at most `codec.INLINE_TENSOR_BYTES` in all are never announced:
-they travel inside the Hidden's head, which the receiver has posted already,
-so the Hidden is one gloo message and has no receive to wait for.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from ringserve.ring.codec import INLINE_TENSOR_BYTES, FrameError, TensorSpec, spec_bytes
+from ringserve.ring.codec import FrameError, TensorSpec
 from ringserve.ring.messages import Hidden, Message
 
 Expectation = Callable[[Message], Sequence[TensorSpec]]
@@ -59,14 +55,11 @@ class Announcements(Generic[T]):
         return len(self._owed)
 
     def announced_by(self, msg: Message) -> tuple[TensorSpec, ...]:
-        """What `msg` announces (empty without an expectation, and for
-        tensors small enough to ride inline)."""
+        """What `msg` announces (empty without an expectation)."""
         if self._expect is None:
             return ()
         specs = tuple(self._expect(msg))
-        if not specs or spec_bytes(specs) <= INLINE_TENSOR_BYTES:
-            return ()
-        if not isinstance(getattr(msg, "pass_id", None), int):
+        if specs and not isinstance(getattr(msg, "pass_id", None), int):
             raise FrameError(f"a {type(msg).__name__} without a pass id cannot announce tensors")
         return specs
 

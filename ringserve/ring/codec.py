@@ -12,10 +12,6 @@ A message travels on its link as a FRAME of gloo sends, in this order:
 3. tensors: each tensor as a contiguous CPU tensor of its own dtype and
    shape; on the head's tag, or with flag `PREPOSTED` on the link's tensor
    tag, into receives posted before the head arrived (see `ring/link.py`).
-   With flag `INLINE_TENSORS` they follow the inline payload inside the
-   head instead (each at a multiple of `TENSOR_ALIGN` bytes), and the frame
-   is that one gloo message: what a small frame's tensors fit beside its
-   payload travel so.
 
 Flag `FINAL` marks the last frame of a link, the one carrying
 `Control(SHUTDOWN)`; `PLACEHOLDER` marks preposted tensors that carry no
@@ -30,8 +26,6 @@ desynchronised stream fail loudly instead of decoding garbage.
 
 from __future__ import annotations
 
-import ctypes
-import math
 import struct
 import types
 from collections.abc import Mapping, Sequence
@@ -49,8 +43,7 @@ FINAL = 1
 OVERFLOW = 2
 PREPOSTED = 4
 PLACEHOLDER = 8
-INLINE_TENSORS = 16
-_FLAGS = FINAL | OVERFLOW | PREPOSTED | PLACEHOLDER | INLINE_TENSORS
+_FLAGS = FINAL | OVERFLOW | PREPOSTED | PLACEHOLDER
 _FIXED_FIELDS = 4
 _FIELDS_PER_TENSOR = 2 + MAX_DIMS
 HEADER_LEN = _FIXED_FIELDS + MAX_TENSORS * _FIELDS_PER_TENSOR
@@ -59,11 +52,6 @@ HEADER_BYTES = 8 * HEADER_LEN
 # fits inline; a longer one overflows and pays one more round trip.
 HEAD_BYTES = 8192
 INLINE_BYTES = HEAD_BYTES - HEADER_BYTES
-TENSOR_ALIGN = 64
-# Tensors of at most this many bytes in all always fit in a head beside a
-# Hidden's payload, so a link never announces them (`ring/announce.py`):
-# they ride inside the Hidden's head, one gloo message instead of two.
-INLINE_TENSOR_BYTES = HEAD_BYTES // 2
 _HEADER = struct.Struct(f"<{HEADER_LEN}q")
 
 # Code 0 marks an unused tensor field; codes are part of the wire format.
@@ -129,10 +117,6 @@ class FrameHeader:
     def placeholder(self) -> bool:
         return bool(self.flags & PLACEHOLDER)
 
-    @property
-    def inline_tensors(self) -> bool:
-        return bool(self.flags & INLINE_TENSORS)
-
 
 @dataclass(frozen=True, slots=True)
 class Frame:
@@ -171,9 +155,7 @@ def decode(payload: bytes | bytearray | memoryview) -> Message:
 def frame(msg: Message, tensors: Sequence[torch.Tensor] = (), flags: int = 0) -> Frame:
     """The frame of `msg` and its `tensors` (each made contiguous); `flags`
     may add `PREPOSTED` and `PLACEHOLDER`, the rest follow from the message.
-    Tensors that are not preposted and fit in the head beside the payload
-    are copied into it. The caller must keep every buffer alive until its
-    send has completed."""
+    The caller must keep every buffer alive until its send has completed."""
     if flags & ~(PREPOSTED | PLACEHOLDER):
         raise ValueError(f"frame flags {flags:#x} are not the caller's to set")
     body = tuple(_checked(t) for t in tensors)
@@ -190,48 +172,9 @@ def frame(msg: Message, tensors: Sequence[torch.Tensor] = (), flags: int = 0) ->
         raw, flags = bytearray(HEAD_BYTES), flags | OVERFLOW
     else:
         raw.extend(bytes(HEAD_BYTES - len(raw)))
-        if body and not flags & PREPOSTED and _inline_end(payload_len, body) <= HEAD_BYTES:
-            # Plain memory copies: a torch op per tensor would cost more
-            # than the copy (the dispatcher runs cold between passes).
-            for t, at in zip(body, _inline_offsets(payload_len, body), strict=True):
-                if t.nbytes:
-                    raw[at : at + t.nbytes] = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
-            flags |= INLINE_TENSORS
     flags |= FINAL if is_final(msg) else 0
     _HEADER.pack_into(raw, 0, *_header_fields(flags, payload_len, body))
-    head = torch.frombuffer(raw, dtype=torch.uint8)
-    return Frame(head, payload, () if flags & INLINE_TENSORS else body, flags)
-
-
-def _align(n: int) -> int:
-    return -(-n // TENSOR_ALIGN) * TENSOR_ALIGN
-
-
-def _nbytes(t: torch.Tensor | TensorSpec) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.nbytes
-    return math.prod(t.shape) * t.dtype.itemsize
-
-
-def _inline_offsets(payload_len: int, tensors: Sequence[torch.Tensor | TensorSpec]) -> list[int]:
-    """Where each inline tensor starts in the head."""
-    offsets, at = [], _align(HEADER_BYTES + payload_len)
-    for t in tensors:
-        offsets.append(at)
-        at = _align(at + _nbytes(t))
-    return offsets
-
-
-def _inline_end(payload_len: int, tensors: Sequence[torch.Tensor | TensorSpec]) -> int:
-    """The head bytes that a payload and inline tensors take."""
-    if not tensors:
-        return HEADER_BYTES + payload_len
-    return _inline_offsets(payload_len, tensors)[-1] + _nbytes(tensors[-1])
-
-
-def spec_bytes(specs: Sequence[TensorSpec]) -> int:
-    """The bytes of tensors of these specs, in all."""
-    return sum(_nbytes(s) for s in specs)
+    return Frame(torch.frombuffer(raw, dtype=torch.uint8), payload, body, flags)
 
 
 def _header_fields(flags: int, payload_len: int, tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -262,11 +205,7 @@ def unpack_header(head: torch.Tensor | memoryview) -> FrameHeader:
     magic, flags, payload_len, count = fields[:_FIXED_FIELDS]
     if magic != MAGIC:
         raise FrameError(f"header magic {magic:#x} is not {MAGIC:#x}: the stream is out of step")
-    if (
-        flags & ~_FLAGS
-        or (flags & PLACEHOLDER and not flags & PREPOSTED)
-        or (flags & INLINE_TENSORS and flags & (PREPOSTED | OVERFLOW))
-    ):
+    if flags & ~_FLAGS or (flags & PLACEHOLDER and not flags & PREPOSTED):
         raise FrameError(f"header flags {flags:#x} are not a frame's")
     if not 0 <= count <= MAX_TENSORS or payload_len <= 0:
         raise FrameError(f"header announces {count} tensors and a {payload_len}-byte payload")
@@ -279,22 +218,7 @@ def unpack_header(head: torch.Tensor | memoryview) -> FrameHeader:
         if code not in _DTYPES_BY_CODE or not 0 <= ndim <= MAX_DIMS:
             raise FrameError(f"header tensor {i} has dtype code {code} and {ndim} dims")
         specs.append(TensorSpec(_DTYPES_BY_CODE[code], fields[at + 2 : at + 2 + ndim]))
-    if flags & INLINE_TENSORS and (not specs or _inline_end(payload_len, specs) > HEAD_BYTES):
-        raise FrameError(f"inline tensors {specs} do not fit in the head")
     return FrameHeader(flags, payload_len, tuple(specs))
-
-
-def inline_tensors(head: torch.Tensor, announced: FrameHeader) -> tuple[torch.Tensor, ...]:
-    """Copies of the tensors a head carries inline (flag `INLINE_TENSORS`)."""
-    out, base = [], head.data_ptr()
-    for spec, at in zip(
-        announced.tensors, _inline_offsets(announced.payload_len, announced.tensors), strict=True
-    ):
-        t = spec.empty()
-        if nbytes := _nbytes(spec):
-            ctypes.memmove(t.data_ptr(), base + at, nbytes)
-        out.append(t)
-    return tuple(out)
 
 
 def inline_payload(head: torch.Tensor | memoryview, announced: FrameHeader) -> memoryview:

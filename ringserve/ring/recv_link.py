@@ -104,13 +104,12 @@ class RecvLink:
         post the next head into `following` (each a head and its view);
         returns the message, its tensors, finality."""
         self._posted[0].wait()
-        head, view = head_buf
+        view = head_buf[1]
         announced = codec.unpack_header(view)
         parts = (
             [torch.empty(announced.payload_len, dtype=torch.uint8)] if announced.overflow else []
         )
-        separate = not (announced.preposted or announced.inline_tensors)
-        inline = tuple(s.empty() for s in announced.tensors) if separate else ()
+        inline = () if announced.preposted else tuple(s.empty() for s in announced.tensors)
         posted = [self._post(buf, self.tag) for buf in (*parts, *inline)]
         # The next head's receive goes up before this frame's parts land,
         # so the peer's next message never waits for this thread.
@@ -127,15 +126,10 @@ class RecvLink:
         for work in posted[len(parts) :]:
             work.wait()
         self._posted = self._posted[len(posted) :]
-        if announced.inline_tensors:
-            tensors = codec.inline_tensors(head, announced)
-        elif tensors is None:
-            tensors = inline
+        tensors = inline if tensors is None else tensors
         if self._trace:
             # placeholders crossed the wire too: count them as the sender does
-            # (and inline tensors did not: they were in the head)
-            carried = () if announced.inline_tensors else tensors
-            nbytes = codec.HEAD_BYTES + placeholders + sum(t.nbytes for t in (*parts, *carried))
+            nbytes = codec.HEAD_BYTES + placeholders + sum(t.nbytes for t in (*parts, *tensors))
             log_message("msg.received", msg, nbytes, self.peer)
         return msg, tensors, announced.final
 
