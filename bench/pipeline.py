@@ -75,8 +75,9 @@ def main() -> None:
         "--max-batch",
         type=int,
         default=None,
-        help="rows per pass (default --requests): --requests N x pp with --max-batch N fills "
-        "every micro-batch, the saturated case, where pp 1 runs passes of the same size",
+        help="rows per pass (default --requests): --requests N x (pp + 1) with --max-batch N "
+        "fills every micro-batch the default depth opens (pp + 1), the saturated case, where "
+        "pp 1 runs passes of the same size",
     )
     ap.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
