@@ -62,13 +62,15 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 3);
 }
 
-/* The vector primitives, per storage type: a dot product of a float query
- * with a stored row (dot, and dot4 for four rows at once), the weighted sum
- * of rows (weigh), x = exp(x - top) returning the sum (exp_shift), and silu.
- * They are written once over `vec`, LANES floats wide: 16 with AVX-512, 8
- * with AVX2 and FMA. Decode attention needs them (head sizes a multiple of
- * 16); the norm and silu run plain loops over what the lanes leave, and
- * alone in a build for a CPU with neither. */
+/* The vector primitives: loads of a stored type into floats, the rounding
+ * of floats to bfloat16 and their stores (vround_bf16, vstore_bf16: as
+ * f32_to_bf16, bit for bit), a dot product of a float query with a stored
+ * row (dot, and dot4 for four rows at once), x = exp(x - top) returning the
+ * sum (exp_shift), and silu. They are written once over `vec`, LANES floats
+ * wide: 16 with AVX-512, 8 with AVX2 and FMA. Decode attention needs them
+ * (head sizes a multiple of 16); the norm, silu and rope run them over whole
+ * lanes and plain loops over what the lanes leave, and the plain loops alone
+ * in a build for a CPU with neither. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LANES 16
@@ -88,6 +90,9 @@ static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
 static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+/* the larger of each lane pair, `a` where x is NaN */
+static inline vec vmax(vec x, vec a) { return _mm512_max_ps(x, a); }
+static inline float vtop(vec a) { return _mm512_reduce_max_ps(a); }
 
 /* The four sums of four vectors' lanes, as one 4-lane vector. */
 static inline __m128 vsum4(vec a, vec b, vec c, vec d) {
@@ -115,6 +120,21 @@ static inline vec vzero_below(vec e, vec x, float lo) {
 static inline vec vinf_above(vec e, vec x, float hi) {
     return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, vset(hi), _CMP_GT_OQ), vset(INFINITY));
 }
+/* x rounded to bfloat16 as f32_to_bf16 rounds (nearest even, NaN kept
+ * quiet), still a float: its low 16 bits are zero */
+static inline vec vround_bf16(vec x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                              _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* the high halves of LANES floats already rounded by vround_bf16 */
+static inline void vstore_bf16(uint16_t *p, vec x) {
+    const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(high));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LANES 8
@@ -137,6 +157,12 @@ static inline float vsum(vec a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+static inline vec vmax(vec x, vec a) { return _mm256_max_ps(x, a); }
+static inline float vtop(vec a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
 /* The four sums of four vectors' lanes, as one 4-lane vector. */
@@ -164,6 +190,22 @@ static inline vec vzero_below(vec e, vec x, float lo) {
 static inline vec vinf_above(vec e, vec x, float hi) {
     return _mm256_blendv_ps(e, vset(INFINITY), _mm256_cmp_ps(x, vset(hi), _CMP_GT_OQ));
 }
+static inline vec vround_bf16(vec x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    const vec kept = _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(quiet),
+                                      _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_and_ps(kept, _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void vstore_bf16(uint16_t *p, vec x) {
+    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+    /* per 128-bit lane the four words twice; then the two lanes' first copies */
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high),
+                                                   _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(words));
+}
 #endif
 
 #ifdef LANES
@@ -185,6 +227,8 @@ static inline vec vexp(vec x) {
 }
 
 #define vload_f32 vload
+#define vstore_f32 vstore
+static inline vec vround_f32(vec x) { return x; }
 
 #define DEFINE_VECTOR(SUFFIX, ELEM)                                                           \
     static inline float dot_##SUFFIX(const float *q, const ELEM *k, int64_t n) {              \
@@ -209,27 +253,6 @@ static inline vec vexp(vec x) {
             t3 = vfma(qd, vload_##SUFFIX(k3 + d), t3);                                        \
         }                                                                                     \
         _mm_storeu_ps(out, vsum4(t0, t1, t2, t3));                                            \
-    }                                                                                         \
-    /* out[0:n] = sum over l of p[l] * rows[slots[l]][0:n], 4 x LANES at a time in registers */ \
-    static inline void weigh_##SUFFIX(float *out, const float *p, const ELEM *base,            \
-                                      const int64_t *slots, int64_t len, int64_t row_len,      \
-                                      int64_t n) {                                            \
-        for (int64_t c = 0; c < n; c += 4 * LANES) {                                          \
-            const int64_t lanes = n - c < 4 * LANES ? n - c : 4 * LANES;                      \
-            vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;                                      \
-            for (int64_t l = 0; l < len; ++l) {                                               \
-                const ELEM *v = base + slots[l] * row_len + c;                                \
-                const vec w = vset(p[l]);                                                     \
-                a0 = vfma(w, vload_##SUFFIX(v), a0);                                          \
-                if (lanes > LANES) a1 = vfma(w, vload_##SUFFIX(v + LANES), a1);               \
-                if (lanes > 2 * LANES) a2 = vfma(w, vload_##SUFFIX(v + 2 * LANES), a2);       \
-                if (lanes > 3 * LANES) a3 = vfma(w, vload_##SUFFIX(v + 3 * LANES), a3);       \
-            }                                                                                 \
-            vstore(out + c, a0);                                                              \
-            if (lanes > LANES) vstore(out + c + LANES, a1);                                   \
-            if (lanes > 2 * LANES) vstore(out + c + 2 * LANES, a2);                           \
-            if (lanes > 3 * LANES) vstore(out + c + 3 * LANES, a3);                           \
-        }                                                                                     \
     }
 DEFINE_VECTOR(f32, float)
 DEFINE_VECTOR(bf16, uint16_t)
@@ -255,14 +278,22 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
 
+/* Its arguments where the build has vectors, nothing where it has none: the
+ * vector loop of a kernel, ahead of the plain loop that finishes the row. */
+#ifdef LANES
+#define WITH_LANES(...) __VA_ARGS__
+#else
+#define WITH_LANES(...)
+#endif
+
 #ifdef LANES
 
 /* One sequence's attention, for one storage type: ELEM is the stored
- * element, LOAD turns one into a float, STORE writes a float back. A slot's
+ * element, SUFFIX names its vector loads, roundings and stores. A slot's
  * K (or V) row holds every KV head, so each row is read once, front to back,
  * for all the heads: one scattered access per slot instead of one per head.
  * Head sizes are a multiple of 16 (the caller checks). */
-#define DEFINE_ITEM(SUFFIX, ELEM, LOAD, STORE)                                                 \
+#define DEFINE_ITEM(SUFFIX, ELEM)                                                              \
     static void item_##SUFFIX(const Job *job, int64_t b, float *qf, float *acc,                \
                               float *scores) {                                                 \
         const int64_t hq = job->hq, hkv = job->hkv, group = hq / hkv, dim = job->dim;          \
@@ -270,7 +301,8 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
         const int64_t *slots = job->slots + b * width;                                         \
         const ELEM *q = (const ELEM *)job->q + b * hq * dim;                                   \
         const ELEM *kc = (const ELEM *)job->k, *vc = (const ELEM *)job->v;                     \
-        for (int64_t i = 0; i < hq * dim; ++i) qf[i] = LOAD(q[i]) * job->scale;                \
+        for (int64_t i = 0; i < hq * dim; i += LANES)                                          \
+            vstore(qf + i, vmul(vload_##SUFFIX(q + i), vset(job->scale)));                     \
         int64_t l = 0;                                                                         \
         float four[4];                                                                         \
         for (; l + 4 <= len; l += 4) {                                                         \
@@ -294,22 +326,54 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
         }                                                                                      \
         for (int64_t i = 0; i < hq; ++i) {                                                     \
             float *si = scores + i * width;                                                    \
-            float top = -INFINITY;                                                             \
-            for (int64_t l = 0; l < len; ++l) top = si[l] > top ? si[l] : top;                 \
+            vec tops = vset(-INFINITY);                                                        \
+            int64_t l = 0;                                                                     \
+            for (; l + LANES <= len; l += LANES) tops = vmax(vload(si + l), tops);             \
+            float top = vtop(tops);                                                            \
+            for (; l < len; ++l) top = si[l] > top ? si[l] : top;                              \
             const float total = exp_shift(si, len, top);                                       \
             const float inv = len > 0 ? 1.0f / total : 0.0f;                                   \
             for (int64_t l = 0; l < len; ++l) si[l] *= inv;                                    \
         }                                                                                      \
-        for (int64_t h = 0, i = 0; h < hkv; ++h)                                               \
-            for (int64_t j = 0; j < group; ++j, ++i)                                           \
-                weigh_##SUFFIX(acc + i * dim, scores + i * width, vc + h * dim, slots, len,    \
-                               row_len, dim);                                                  \
+        memset(acc, 0, (size_t)(hq * dim) * sizeof(float));                                   \
+        l = 0;                                                                                 \
+        for (; l + 4 <= len; l += 4) {                                                         \
+            for (int64_t m = 4; m < 4 + AHEAD && l + m < len; ++m)                             \
+                prefetch_row(vc + slots[l + m] * row_len, row_len * sizeof(ELEM));             \
+            const ELEM *r0 = vc + slots[l] * row_len, *r1 = vc + slots[l + 1] * row_len;       \
+            const ELEM *r2 = vc + slots[l + 2] * row_len, *r3 = vc + slots[l + 3] * row_len;   \
+            for (int64_t at = 0; at < row_len; at += LANES) {                                  \
+                const vec x0 = vload_##SUFFIX(r0 + at), x1 = vload_##SUFFIX(r1 + at);          \
+                const vec x2 = vload_##SUFFIX(r2 + at), x3 = vload_##SUFFIX(r3 + at);          \
+                const int64_t h = at / dim, d = at - h * dim;                                  \
+                for (int64_t i = h * group; i < (h + 1) * group; ++i) {                        \
+                    const float *p = scores + i * width + l;                                   \
+                    float *a = acc + i * dim + d;                                              \
+                    vec sum = vfma(vset(p[0]), x0, vload(a));                                  \
+                    sum = vfma(vset(p[1]), x1, sum);                                           \
+                    sum = vfma(vset(p[2]), x2, sum);                                           \
+                    vstore(a, vfma(vset(p[3]), x3, sum));                                      \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (; l < len; ++l) {                                                                 \
+            const ELEM *row = vc + slots[l] * row_len;                                         \
+            for (int64_t at = 0; at < row_len; at += LANES) {                                  \
+                const vec x = vload_##SUFFIX(row + at);                                        \
+                const int64_t h = at / dim, d = at - h * dim;                                  \
+                for (int64_t i = h * group; i < (h + 1) * group; ++i) {                        \
+                    float *a = acc + i * dim + d;                                              \
+                    vstore(a, vfma(vset(scores[i * width + l]), x, vload(a)));                 \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
         ELEM *o = (ELEM *)job->out + b * hq * dim;                                             \
-        for (int64_t i = 0; i < hq * dim; ++i) o[i] = STORE(acc[i]);                           \
+        for (int64_t i = 0; i < hq * dim; i += LANES)                                          \
+            vstore_##SUFFIX(o + i, vround_##SUFFIX(vload(acc + i)));                           \
     }
 
-DEFINE_ITEM(f32, float, F32_LOAD, F32_STORE)
-DEFINE_ITEM(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ITEM(f32, float)
+DEFINE_ITEM(bf16, uint16_t)
 
 static int run_items(Job *job) {
     const int64_t hq = job->hq, dim = job->dim, width = job->width;
@@ -382,46 +446,44 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
 }
 #endif
 
-/* The sum of squares of n floats. */
-static inline float sum_squares(const float *x, int64_t n) {
-#ifdef LANES
-    if (n % LANES == 0) {
-        vec a = vzero();
-        for (int64_t i = 0; i < n; i += LANES) {
-            vec v = vload(x + i);
-            a = vfma(v, v, a);
-        }
-        return vsum(a);
-    }
-#endif
-    float total = 0.0f;
-    for (int64_t i = 0; i < n; ++i) total += x[i] * x[i];
-    return total;
-}
-
 /* Per row of n: summed = x + residual, rounded to the storage type (only
  * when residual is given), then out = weight * round(summed / rms(summed)),
  * the rms in float32: the reference's `weight * rms_norm(x)`, whose product
- * is taken (and rounded) in the storage type. `row` is n floats of scratch. */
+ * is taken (and rounded) in the storage type. `row` is n floats of scratch.
+ * LANES at a time, then one at a time for what the lanes leave. */
 #define DEFINE_NORM(SUFFIX, ELEM, LOAD, STORE)                                                \
     static void norm_##SUFFIX(const ELEM *x, const ELEM *residual, const ELEM *weight,        \
                               ELEM *out, ELEM *summed, int64_t rows, int64_t n, float eps,    \
                               float *row) {                                                   \
         for (int64_t r = 0; r < rows; ++r) {                                                  \
-            const ELEM *xr = x + r * n;                                                       \
-            if (residual) {                                                                   \
-                const ELEM *rr = residual + r * n;                                            \
-                ELEM *sr = summed + r * n;                                                    \
-                for (int64_t i = 0; i < n; ++i) {                                             \
-                    sr[i] = STORE(LOAD(xr[i]) + LOAD(rr[i]));                                 \
-                    row[i] = LOAD(sr[i]);                                                     \
+            const ELEM *xr = x + r * n, *rr = residual ? residual + r * n : NULL;             \
+            ELEM *sr = residual ? summed + r * n : NULL;                                      \
+            float squares = 0.0f;                                                             \
+            int64_t i = 0;                                                                    \
+            WITH_LANES(                                                                       \
+                vec sq = vzero();                                                             \
+                for (; i + LANES <= n; i += LANES) {                                          \
+                    vec v = vload_##SUFFIX(xr + i);                                           \
+                    if (rr) {                                                                 \
+                        v = vround_##SUFFIX(vadd(v, vload_##SUFFIX(rr + i)));                 \
+                        vstore_##SUFFIX(sr + i, v);                                           \
+                    }                                                                         \
+                    vstore(row + i, v);                                                       \
+                    sq = vfma(v, v, sq);                                                      \
                 }                                                                             \
-            } else {                                                                          \
-                for (int64_t i = 0; i < n; ++i) row[i] = LOAD(xr[i]);                         \
+                squares = vsum(sq);)                                                          \
+            for (; i < n; ++i) {                                                              \
+                row[i] = rr ? LOAD(sr[i] = STORE(LOAD(xr[i]) + LOAD(rr[i]))) : LOAD(xr[i]);   \
+                squares += row[i] * row[i];                                                   \
             }                                                                                 \
-            const float inv = 1.0f / sqrtf(sum_squares(row, n) / (float)n + eps);             \
+            const float inv = 1.0f / sqrtf(squares / (float)n + eps);                         \
             ELEM *o = out + r * n;                                                            \
-            for (int64_t i = 0; i < n; ++i) o[i] = STORE(LOAD(STORE(row[i] * inv)) * LOAD(weight[i])); \
+            i = 0;                                                                            \
+            WITH_LANES(for (; i + LANES <= n; i += LANES) {                                   \
+                const vec t = vround_##SUFFIX(vmul(vload(row + i), vset(inv)));               \
+                vstore_##SUFFIX(o + i, vround_##SUFFIX(vmul(t, vload_##SUFFIX(weight + i)))); \
+            })                                                                                \
+            for (; i < n; ++i) o[i] = STORE(LOAD(STORE(row[i] * inv)) * LOAD(weight[i]));     \
         }                                                                                     \
     }
 
@@ -444,40 +506,31 @@ int add_rmsnorm(const void *x, const void *residual, const void *weight, void *o
 
 static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
 
-/* Per row: out[0:n] = round(round(silu(gate)) * up), gate = row[0:n], up = row[n:2n]. */
+/* Per row: out[0:n] = round(round(silu(gate)) * up), gate = row[0:n], up = row[n:2n],
+ * LANES at a time, then one at a time for what the lanes leave. */
 #define DEFINE_SILU_MUL(SUFFIX, ELEM, LOAD, STORE)                                            \
-    static void silu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int64_t rows, int64_t n,    \
-                                  float *scratch) {                                           \
+    static void silu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int64_t rows, int64_t n) {  \
         for (int64_t r = 0; r < rows; ++r) {                                                  \
             const ELEM *g = gate_up + r * 2 * n, *u = g + n;                                  \
             ELEM *o = out + r * n;                                                            \
             int64_t i = 0;                                                                    \
-            for (; i < n; ++i) scratch[i] = LOAD(g[i]);                                       \
-            i = 0;                                                                            \
-            SILU_LANES(scratch, n, i);                                                        \
-            for (; i < n; ++i) scratch[i] = silu1(scratch[i]);                                \
-            for (i = 0; i < n; ++i) o[i] = STORE(LOAD(STORE(scratch[i])) * LOAD(u[i]));       \
+            WITH_LANES(for (; i + LANES <= n; i += LANES) {                                   \
+                const vec s = vround_##SUFFIX(vsilu(vload_##SUFFIX(g + i)));                  \
+                vstore_##SUFFIX(o + i, vround_##SUFFIX(vmul(s, vload_##SUFFIX(u + i))));      \
+            })                                                                                \
+            for (; i < n; ++i) o[i] = STORE(LOAD(STORE(silu1(LOAD(g[i])))) * LOAD(u[i]));     \
         }                                                                                     \
     }
-
-#ifdef LANES
-#define SILU_LANES(x, n, i) for (; i + LANES <= n; i += LANES) vstore(x + i, vsilu(vload(x + i)))
-#else
-#define SILU_LANES(x, n, i) (void)0
-#endif
 
 DEFINE_SILU_MUL(f32, float, F32_LOAD, F32_STORE)
 DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
-/* Returns 0 on success, 1 when memory ran out. */
+/* Returns 0 (the status is kept for the caller's one check). */
 int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int64_t dtype) {
-    float *scratch = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    if (!scratch) return 1;
     if (dtype == F32)
-        silu_mul_f32(gate_up, out, rows, n, scratch);
+        silu_mul_f32(gate_up, out, rows, n);
     else
-        silu_mul_bf16(gate_up, out, rows, n, scratch);
-    free(scratch);
+        silu_mul_bf16(gate_up, out, rows, n);
     return 0;
 }
 
@@ -485,7 +538,8 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int64_t dt
  * (to q_out [T, Hq, D]) and Hkv key heads (to k_cache[slots[t]]); its Hkv
  * value heads are copied to v_cache[slots[t]]. Rounds as torch's
  * roll(x).mul_(sin).addcmul_(x, cos): the product by sin once, the sum once.
- * `qk` and `v` rows are `qk_stride` and `v_stride` elements apart. */
+ * `qk` and `v` rows are `qk_stride` and `v_stride` elements apart. LANES at
+ * a time where a half of a head is a multiple of the lanes. */
 #define DEFINE_ROPE(SUFFIX, ELEM, LOAD, STORE)                                                \
     static void rope_##SUFFIX(const ELEM *qk, int64_t qk_stride, const ELEM *v,               \
                               int64_t v_stride, const ELEM *cos, const ELEM *sin,             \
@@ -499,7 +553,15 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int64_t dt
                 const ELEM *x = qk + t * qk_stride + h * dim;                                 \
                 ELEM *o = h < hq ? q_out + (t * hq + h) * dim                                 \
                                  : k_cache + (slots[t] * hkv + (h - hq)) * dim;               \
-                for (int64_t d = 0; d < dim; ++d) {                                           \
+                int64_t d = 0;                                                                \
+                WITH_LANES(if (half % LANES == 0) for (; d < dim; d += LANES) {               \
+                    const ELEM *rolled = x + (d < half ? d + half : d - half);                \
+                    const vec turned =                                                        \
+                        vround_##SUFFIX(vmul(vload_##SUFFIX(rolled), vload_##SUFFIX(s + d))); \
+                    const vec sum = vfma(vload_##SUFFIX(x + d), vload_##SUFFIX(c + d), turned); \
+                    vstore_##SUFFIX(o + d, vround_##SUFFIX(sum));                             \
+                })                                                                            \
+                for (; d < dim; ++d) {                                                        \
                     const float rolled = LOAD(x[d < half ? d + half : d - half]);             \
                     const float turned = LOAD(STORE(rolled * LOAD(s[d])));                    \
                     o[d] = STORE(turned + LOAD(x[d]) * LOAD(c[d]));                           \
