@@ -15,9 +15,13 @@ once under --model-dir. For each dtype, with one torch thread:
            out of the pool, then SDPA).
 * forward: the model slice's decode forward in a loop (batch building,
            layers, head, argmax): the engine without its scheduler, native
-           attention.
+           attention, weights packed as the engine packs them.
 * matmuls: per layer the q, k, v, o, gate, up and down matmuls at the same
-           batch and dtype, plus the lm head: what a decode step must pay.
+           batch and dtype, plus the lm head: what a decode step must pay,
+           through `F.linear` on plain weights;
+* packed:  the same matmuls on weights packed by `kernels/packed_linear.py`
+           (bfloat16; float32 weights are not packed, so it equals matmuls).
+           The ratios are taken against the faster of the two loops.
 
 Usage:
     PYTHONPATH=. .venv/bin/python bench/roofline.py [--dtypes float32 bfloat16]
@@ -34,13 +38,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ringserve import LLM, SamplingParams  # noqa: E402
 from ringserve.cache.pool import KVPool  # noqa: E402
+from ringserve.kernels import packed_linear  # noqa: E402
 from ringserve.kernels.batch import ForwardBatch  # noqa: E402
 from ringserve.kernels.cpu_native import CpuKernels  # noqa: E402
 from ringserve.models.config import ModelConfig  # noqa: E402
@@ -99,6 +103,7 @@ class ForwardLoop:
     def __init__(self, model_path: Path, dtype: torch.dtype, bsz: int, context: int) -> None:
         self.cfg = ModelConfig.from_dir(model_path)
         self.model = load_model(model_path, self.cfg, range(self.cfg.num_layers), dtype)
+        self.model.pack_linear_weights()
         cfg = self.cfg
         self.pool = KVPool(cfg.num_layers, bsz * context + 1, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.bsz, self.context = bsz, context
@@ -123,12 +128,15 @@ class MatmulLoop:
     """Per layer the seven projection matmuls of a decode step, then the lm
     head, on random weights of the model's shapes."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, bsz: int) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, bsz: int, packed: bool) -> None:
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.q_size, cfg.kv_size
 
         def w(out: int, inp: int) -> torch.Tensor:
-            return torch.randn(out, inp, dtype=dtype) * 0.02
+            weight = torch.randn(out, inp, dtype=dtype) * 0.02
+            return (
+                packed_linear.pack(weight) if packed and packed_linear.can_pack(weight) else weight
+            )
 
         shapes = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q)]
         shapes += [(inter, hidden), (inter, hidden), (hidden, inter)]
@@ -143,15 +151,16 @@ class MatmulLoop:
         for _ in range(steps):
             for weights in self.layers:
                 for weight in weights:
-                    F.linear(self.inputs[weight.shape[1]], weight)
-            F.linear(self.inputs[self.head.shape[1]], self.head)
+                    packed_linear.linear(self.inputs[weight.shape[1]], weight)
+            packed_linear.linear(self.inputs[self.head.shape[1]], self.head)
         return clock.rates(self.bsz * steps)
 
 
 def measure(path: Path, dtype: str, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Median (wall, CPU) tok/s of each loop, the loops interleaved."""
     cfg = ModelConfig.from_dir(path)
-    bare = MatmulLoop(cfg, DTYPES[dtype], args.batch)
+    bare = MatmulLoop(cfg, DTYPES[dtype], args.batch, packed=False)
+    packed = MatmulLoop(cfg, DTYPES[dtype], args.batch, packed=True)
     fwd = ForwardLoop(path, DTYPES[dtype], args.batch, args.prompt_len + args.new_tokens + 1)
     engines = {
         name: LLM(path, pp_size=1, dtype=dtype, torch_threads=1, cpu_kernels=choice)
@@ -163,18 +172,21 @@ def measure(path: Path, dtype: str, args: argparse.Namespace) -> dict[str, tuple
             engine_decode(llm, *(prompts(args.batch, args.prompt_len, cfg.vocab_size, s)
                                  for s in (seed, seed + 1)), 4)  # fmt: skip
         bare.run(4)
+        packed.run(4)
         fwd.run(args.prompt_len, 4)
         runs: dict[str, list[tuple[float, float]]] = {
-            "engine": [], "torch": [], "forward": [], "matmuls": []
+            "engine": [], "torch": [], "forward": [], "matmuls": [], "packed": []
         }  # fmt: skip
         for r in range(args.repeats):
             seed = 2 * (r + 1)
             first, second = (prompts(args.batch, args.prompt_len, cfg.vocab_size, s)
                              for s in (seed, seed + 1))  # fmt: skip
             runs["matmuls"].append(bare.run(args.new_tokens))
+            runs["packed"].append(packed.run(args.new_tokens))
             for name, llm in engines.items():
                 runs[name].append(engine_decode(llm, first, second, args.new_tokens))
             runs["forward"].append(fwd.run(args.prompt_len, args.new_tokens))
+            runs["packed"].append(packed.run(args.new_tokens))
             runs["matmuls"].append(bare.run(args.new_tokens))
     finally:
         for llm in engines.values():
@@ -195,18 +207,21 @@ def main() -> None:
     path = model_dir(args.model_dir)
     print(f"model {path}, batch {args.batch}, prompt {args.prompt_len}, "
           f"{args.new_tokens} decode steps, 1 torch thread")  # fmt: skip
-    print("tok/s, median of the repeats; ratios against the bare matmul loop")
+    print("tok/s, median of the repeats; ratios against the faster matmul loop (matmuls, packed)")
     print(
         f"{'dtype':<10}{'clock':<6}{'engine':>9}{'torch':>9}{'forward':>9}{'matmuls':>9}"
-        f"{'engine/mm':>11}{'torch/mm':>10}{'fwd/mm':>8}"
+        f"{'packed':>9}{'engine/mm':>11}{'torch/mm':>10}{'fwd/mm':>8}"
     )
     for dtype in args.dtypes:
         tps = measure(path, dtype, args)
         for i, clock in enumerate(("wall", "cpu")):
-            eng, tor, fwd, mm = (tps[k][i] for k in ("engine", "torch", "forward", "matmuls"))
+            eng, tor, fwd, mm, pk = (
+                tps[k][i] for k in ("engine", "torch", "forward", "matmuls", "packed")
+            )
+            best = max(mm, pk)
             print(
-                f"{dtype:<10}{clock:<6}{eng:>9.1f}{tor:>9.1f}{fwd:>9.1f}{mm:>9.1f}"
-                f"{eng / mm:>11.2f}{tor / mm:>10.2f}{fwd / mm:>8.2f}",
+                f"{dtype:<10}{clock:<6}{eng:>9.1f}{tor:>9.1f}{fwd:>9.1f}{mm:>9.1f}{pk:>9.1f}"
+                f"{eng / best:>11.2f}{tor / best:>10.2f}{fwd / best:>8.2f}",
                 flush=True,
             )
 

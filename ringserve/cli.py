@@ -139,9 +139,11 @@ def _speculative_args(p: argparse.ArgumentParser, d: dict[str, object]) -> None:
     p.add_argument(
         "--cpu-kernels",
         choices=CPU_KERNELS,
-        help="CPU decode attention: native reads the KV pool in place (AVX-512, built with the "
-        "system's C compiler at first use), torch gathers rows and runs SDPA "
-        f"(default {d['cpu_kernels']}; native falls back to torch where it cannot build)",
+        help="CPU kernels: native reads the KV pool in place for decode attention and fuses "
+        "the norms, rope and SwiGLU (AVX-512 or AVX2, built with the system's C compiler at "
+        "first use) and packs bfloat16 matmul weights for oneDNN; torch runs torch's ops "
+        f"throughout (default {d['cpu_kernels']}; native falls back to torch's attention and "
+        "norms where it cannot build)",
     )
     p.add_argument(
         "--no-adaptive-speculation",

@@ -83,8 +83,9 @@ class EngineConfig:
     ngram_min: int = 2
     draft_model: Path | None = None
     speculative_adaptive: bool = True  # k per request follows its acceptance
-    # CPU decode attention: "native" reads the KV pool in place (kernels/cpu_native.py)
-    # where it builds, "torch" always gathers and runs SDPA
+    # CPU kernels: "native" reads the KV pool in place for decode attention and runs the
+    # norms, rope and SwiGLU in one pass (kernels/cpu_native.py) where it builds, and packs
+    # bfloat16 matmul weights (kernels/packed_linear.py); "torch" runs torch's ops throughout
     cpu_kernels: str = "native"
 
     def __post_init__(self) -> None:

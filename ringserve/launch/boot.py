@@ -23,6 +23,7 @@ from ringserve.kernels.cpu_native import CpuKernels
 from ringserve.launch.progress import LoadProgress
 from ringserve.models.config import ModelConfig
 from ringserve.models.loader import load_model
+from ringserve.models.slice import ModelSlice
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.plan.audit import check_allocation, check_draft
 from ringserve.ring.announce import Expectation
@@ -55,6 +56,7 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
         host = HostPool(len(layers), config.host_kv_tokens + 1, *shape)
         log.info("host_pool.allocated", rank=rank, tokens=config.host_kv_tokens, bytes=host.nbytes)
     native = cpu_kernels(config, device)
+    pack_weights(model, config, device)
     runner = Runner(model, pool, device, layers, cfg.num_layers, host=host, native=native)
     check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
     faults = FaultPlan.from_env(rank)
@@ -85,6 +87,7 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
         device,
     )
     log.info("draft.loaded", layers=len(layers), pool_bytes=pool.nbytes)
+    pack_weights(model, config, device)
     drafter = Drafter(model, pool, device, cpu_kernels(config, device))
     check_draft(config.plan, drafter, config.max_tokens_per_pass, config.max_batch)
     return drafter
@@ -96,6 +99,15 @@ def cpu_kernels(config: EngineConfig, device: torch.device) -> CpuKernels | None
     if device.type != "cpu" or config.cpu_kernels != "native":
         return None
     return CpuKernels.load()
+
+
+def pack_weights(model: ModelSlice, config: EngineConfig, device: torch.device) -> None:
+    """On the CPU with `cpu_kernels` native, the matmul weights that run
+    faster packed (kernels/packed_linear.py) are packed once, here."""
+    if device.type == "cpu" and config.cpu_kernels == "native":
+        packed = model.pack_linear_weights()
+        span = f"{model.layer_range.start}:{model.layer_range.stop}"
+        log.debug("weights.packed", layers=span, matrices=packed)
 
 
 def report_loaded(stage: Stage) -> None:

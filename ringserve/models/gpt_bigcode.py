@@ -11,6 +11,7 @@ from torch import nn
 from ringserve.cache.pool import KVPool
 from ringserve.kernels import ops
 from ringserve.kernels.batch import ForwardBatch
+from ringserve.kernels.packed_linear import linear
 from ringserve.models.config import ModelConfig
 from ringserve.models.slice import ModelSlice, empty_param
 
@@ -79,22 +80,22 @@ class BigCodeLayer(nn.Module):
         h = F.layer_norm(x, x.shape[-1:], w["ln_1_weight"], w["ln_1_bias"], eps)
         x = x + self.attention(h, batch, k_cache, v_cache)
         h = F.layer_norm(x, x.shape[-1:], w["ln_2_weight"], w["ln_2_bias"], eps)
-        h = F.linear(h, w["mlp_c_fc_weight"], w["mlp_c_fc_bias"])
+        h = linear(h, w["mlp_c_fc_weight"], w["mlp_c_fc_bias"])
         h = F.gelu(h, approximate=self.approximate)
-        return x + F.linear(h, w["mlp_c_proj_weight"], w["mlp_c_proj_bias"])
+        return x + linear(h, w["mlp_c_proj_weight"], w["mlp_c_proj_bias"])
 
     def attention(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         cfg, w = self.cfg, self.params
-        qkv = F.linear(x, w["attn_c_attn_weight"], w["attn_c_attn_bias"])
+        qkv = linear(x, w["attn_c_attn_weight"], w["attn_c_attn_bias"])
         q, k, v = qkv.split([cfg.hidden_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
         k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)
-        return F.linear(out.flatten(-2), w["attn_c_proj_weight"], w["attn_c_proj_bias"])
+        return linear(out.flatten(-2), w["attn_c_proj_weight"], w["attn_c_proj_bias"])
 
 
 class GPTBigCodeModel(ModelSlice):
@@ -136,6 +137,12 @@ class GPTBigCodeModel(ModelSlice):
 
     def head_weight(self) -> torch.Tensor:
         return self.wte if self.lm_head is None else self.lm_head
+
+    def linear_weight_names(self) -> list[str]:
+        names = [f"layers.{j}.params.{w}" for j in range(len(self.layers))
+                 for w in ("attn_c_attn_weight", "attn_c_proj_weight", "mlp_c_fc_weight",
+                           "mlp_c_proj_weight")]  # fmt: skip
+        return names + (["lm_head"] if self.lm_head is not None else [])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         """Token ids [T] (first stage) or residual stream [T, hidden] ->

@@ -17,6 +17,7 @@ from ringserve.cache.pool import KVPool
 from ringserve.kernels import ops
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.cpu_native import CpuKernels
+from ringserve.kernels.packed_linear import linear
 from ringserve.models.config import ModelConfig
 from ringserve.models.rope import RotaryEmbedding, apply_rope
 from ringserve.models.slice import ModelSlice, empty_param
@@ -105,7 +106,7 @@ class LlamaLayer(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
-        heads = F.linear(x, self.qkv, self.qkv_bias).unflatten(-1, (hq + 2 * hkv, cfg.head_dim))
+        heads = linear(x, self.qkv, self.qkv_bias).unflatten(-1, (hq + 2 * hkv, cfg.head_dim))
         qk, v = heads.split([hq + hkv, hkv], dim=1)
         if self.q_norm is not None:
             q = ops.rmsnorm(qk[:, :hq], self.q_norm, cfg.norm_eps)
@@ -118,11 +119,11 @@ class LlamaLayer(nn.Module):
             q, k = apply_rope(qk, *rope).split([hq, hkv], dim=1)
             ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)
-        return F.linear(out.flatten(-2), self.o, self.o_bias)
+        return linear(out.flatten(-2), self.o, self.o_bias)
 
     def mlp(self, x: torch.Tensor, native: CpuKernels | None = None) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up, self.gate_up_bias)
-        return F.linear(ops.silu_mul(gate_up, native), self.down, self.down_bias)
+        gate_up = linear(x, self.gate_up, self.gate_up_bias)
+        return linear(ops.silu_mul(gate_up, native), self.down, self.down_bias)
 
 
 class LlamaModel(ModelSlice):
@@ -166,6 +167,11 @@ class LlamaModel(ModelSlice):
 
     def head_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
+
+    def linear_weight_names(self) -> list[str]:
+        names = [f"layers.{j}.{w}" for j in range(len(self.layers))
+                 for w in ("qkv", "o", "gate_up", "down")]  # fmt: skip
+        return names + (["lm_head"] if self.lm_head is not None else [])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         """Token ids [T] (first stage) or residual stream [T, hidden] ->

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ringserve.kernels import packed_linear
 from ringserve.models.config import ModelConfig
 
 
@@ -59,11 +59,30 @@ class ModelSlice(nn.Module):
     def head_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def linear_weight_names(self) -> list[str]:
+        """Dotted names of the parameters used as matmul weights alone (a
+        head that is the embedding too is not one of them)."""
+        raise NotImplementedError
+
+    def pack_linear_weights(self) -> int:
+        """Put every matmul weight that `packed_linear` can pack in oneDNN's
+        layout, in place of the plain one; returns how many it packed. Call
+        once the weights are loaded."""
+        packed = 0
+        for name in self.linear_weight_names():
+            owner_name, _, attr = name.rpartition(".")
+            owner = self.get_submodule(owner_name) if owner_name else self
+            weight = getattr(owner, attr)
+            if packed_linear.can_pack(weight):
+                setattr(owner, attr, nn.Parameter(packed_linear.pack(weight), requires_grad=False))
+                packed += 1
+        return packed
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] final-normed states -> [S, vocab] float32 logits."""
         if not self.is_last:
             raise RuntimeError(f"layers {self.layer_range} are not the last stage: no head")
-        return F.linear(hidden, self.head_weight()).float()
+        return packed_linear.linear(hidden, self.head_weight()).float()
 
     def check_pool(self, num_pool_layers: int) -> None:
         if num_pool_layers != len(self.layer_range):
