@@ -340,3 +340,12 @@ def test_a_request_whose_passes_always_void_fails_alone(factory):
     assert culprit.finish_reason.startswith("error") and "forward raised" in culprit.finish_reason
     assert all(r.finish_reason == "length" and len(r.output) == 4 for r in reqs if r is not culprit)
     assert not any(r.solo for r in reqs if r is not culprit)
+
+
+def test_a_token_range_is_the_slice_of_the_whole_context(factory):
+    req = factory([11, 12, 13, 14], SamplingParams(max_tokens=8))
+    req.output.extend([21, 22, 23])
+    whole = req.tokens
+    for start in range(len(whole) + 2):
+        for stop in range(start, len(whole) + 3):
+            assert req.token_range(start, stop) == whole[start:stop], (start, stop)

@@ -51,7 +51,7 @@ class Draft:
         self.solo = req.solo
         start = len(req.row)
         k = 0 if proposal is None else len(proposal)
-        tokens = req.tokens[start : start + len(slots) - k]
+        tokens = req.token_range(start, start + len(slots) - k)
         sample = len(tokens) == req.pending
         masked = sample and req.params.structured_outputs is not None
         if proposal is not None:

@@ -49,6 +49,16 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """`tokens[start:stop]` for 0 <= start <= stop, without copying the
+        whole context first (a decode step takes one token of hundreds)."""
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.output[start - n : stop - n]
+        return self.prompt[start:] + self.output[: stop - n]
+
     @property
     def pending(self) -> int:
         """Tokens still to be fed through the model before the next sample."""
