@@ -2,10 +2,10 @@
 
 `F.linear` on a plain bfloat16 weight has oneDNN reorder the weight into its
 blocked layout on every call; a weight reordered once at load time skips
-that: a decode step's matmuls take 0.74-0.90 of their time at 1-32 rows and
-0.77-0.90 at prefill sizes (one thread, the ~111M Llama's shapes, on this
-project's AVX-512 machine), with the same bits out, since both paths run
-the same oneDNN kernels. A packed weight has the plain one's shape and
+that: a decode step's matmuls take 0.84-0.95 of their time at 1-32 rows and
+0.65-0.90 at 64-1024 rows (one thread, the ~111M Llama's shapes, an AVX-512
+CPU with AMX), with the same bits out, since both paths run the same oneDNN
+kernels. A packed weight has the plain one's shape and
 takes its place (the plain copy is freed), so memory does not grow; it is
 opaque to every op but `linear`. float32 weights stay plain: oneDNN's
 float32 matmul is faster from packed weights at 8-256 rows but slower at
