@@ -342,10 +342,10 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
                 prefetch_row(vc + slots[l + m] * row_len, row_len * sizeof(ELEM));             \
             const ELEM *r0 = vc + slots[l] * row_len, *r1 = vc + slots[l + 1] * row_len;       \
             const ELEM *r2 = vc + slots[l + 2] * row_len, *r3 = vc + slots[l + 3] * row_len;   \
-            for (int64_t at = 0; at < row_len; at += LANES) {                                  \
+            for (int64_t h = 0, at = 0; h < hkv; ++h)                                          \
+            for (int64_t d = 0; d < dim; d += LANES, at += LANES) {                            \
                 const vec x0 = vload_##SUFFIX(r0 + at), x1 = vload_##SUFFIX(r1 + at);          \
                 const vec x2 = vload_##SUFFIX(r2 + at), x3 = vload_##SUFFIX(r3 + at);          \
-                const int64_t h = at / dim, d = at - h * dim;                                  \
                 for (int64_t i = h * group; i < (h + 1) * group; ++i) {                        \
                     const float *p = scores + i * width + l;                                   \
                     float *a = acc + i * dim + d;                                              \
@@ -358,9 +358,9 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
         }                                                                                      \
         for (; l < len; ++l) {                                                                 \
             const ELEM *row = vc + slots[l] * row_len;                                         \
-            for (int64_t at = 0; at < row_len; at += LANES) {                                  \
+            for (int64_t h = 0, at = 0; h < hkv; ++h)                                          \
+            for (int64_t d = 0; d < dim; d += LANES, at += LANES) {                            \
                 const vec x = vload_##SUFFIX(row + at);                                        \
-                const int64_t h = at / dim, d = at - h * dim;                                  \
                 for (int64_t i = h * group; i < (h + 1) * group; ++i) {                        \
                     float *a = acc + i * dim + d;                                              \
                     vstore(a, vfma(vset(scores[i * width + l]), x, vload(a)));                 \
