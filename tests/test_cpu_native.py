@@ -289,3 +289,28 @@ def test_the_engine_decodes_the_same_tokens_with_either_attention(kernel):
             llm.close()
     assert outputs["native"] == outputs["torch"]
     assert all(len(t) == 24 for t in outputs["native"])
+
+
+@pytest.mark.parametrize("bad", [-1, 0], ids=["negative", "past-the-end"])
+def test_a_slot_outside_the_pool_is_an_index_error_and_touches_nothing(kernel, bad):
+    q, k_cache, v_cache, batch = decode_case(3, 4, 8, 2, 64, torch.float32, 20)
+    capacity = k_cache.shape[0]
+    slot = bad if bad < 0 else capacity + bad  # capacity itself is one past the last row
+    batch.req_slots[2, 0] = slot
+    with pytest.raises(IndexError, match="outside the KV pool"):
+        kernel.decode_attention(q, k_cache, v_cache, batch, 0.125)
+    # the rope store writes nothing when any token's slot is outside the pool
+    heads = torch.randn(3, 8 + 2 * 2, 64)
+    qk, v = heads.split([8 + 2, 2], dim=1)
+    angles = torch.rand(3, 1, 64)
+    pools = (k_cache.clone(), v_cache.clone())
+    with pytest.raises(IndexError, match="outside the KV pool"):
+        kernel.rope_store(qk, v, angles.cos(), angles.sin(), *pools, torch.tensor([1, slot, 2]))
+    assert torch.equal(pools[0], k_cache) and torch.equal(pools[1], v_cache)
+
+
+def test_a_context_longer_than_its_slot_table_is_an_index_error(kernel):
+    q, k_cache, v_cache, batch = decode_case(4, 3, 8, 2, 64, torch.float32, 10)
+    batch.seq_lens[1] = batch.req_slots.shape[1] + 1
+    with pytest.raises(IndexError, match="past its slot table"):
+        kernel.decode_attention(q, k_cache, v_cache, batch, 0.125)

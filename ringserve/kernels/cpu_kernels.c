@@ -62,6 +62,17 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 3);
 }
 
+/* Whether each of the n slots lies in the pool, [0, capacity): a kernel
+ * checks its slots before it reads or writes the pool, and returns
+ * BAD_SLOT instead of touching memory outside it. */
+enum { BAD_SLOT = 4 };
+
+static int slots_in_pool(const int64_t *slots, int64_t n, int64_t capacity) {
+    for (int64_t i = 0; i < n; ++i)
+        if (slots[i] < 0 || slots[i] >= capacity) return 0;
+    return 1;
+}
+
 /* The vector primitives: loads of a stored type into floats, the rounding
  * of floats to bfloat16 and their stores (vround_bf16, vstore_bf16: as
  * f32_to_bf16, bit for bit), a dot product of a float query with a stored
@@ -401,11 +412,17 @@ static void *run_thread(void *arg) {
 }
 
 /* Returns 0 on success, 1 when memory ran out, 2 when a thread could not
- * start (3: built without vectors, below). */
+ * start, BAD_SLOT when a context length exceeds the width or a context slot
+ * lies outside the pool of `capacity` rows (3: built without vectors,
+ * below). */
 int decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *req_slots, const int64_t *seq_lens, int64_t batch,
                      int64_t width, int64_t hq, int64_t hkv, int64_t dim, int64_t dtype,
-                     float scale, int64_t threads) {
+                     float scale, int64_t threads, int64_t capacity) {
+    for (int64_t b = 0; b < batch; ++b)
+        if (seq_lens[b] < 0 || seq_lens[b] > width ||
+            !slots_in_pool(req_slots + b * width, seq_lens[b], capacity))
+            return BAD_SLOT;
     if (threads < 1) threads = 1;
     if (threads > batch) threads = batch > 0 ? batch : 1;
     Job jobs[threads];
@@ -438,10 +455,10 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
 int decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *req_slots, const int64_t *seq_lens, int64_t batch,
                      int64_t width, int64_t hq, int64_t hkv, int64_t dim, int64_t dtype,
-                     float scale, int64_t threads) {
+                     float scale, int64_t threads, int64_t capacity) {
     (void)q, (void)k_cache, (void)v_cache, (void)out, (void)req_slots, (void)seq_lens;
     (void)batch, (void)width, (void)hq, (void)hkv, (void)dim, (void)dtype, (void)scale;
-    (void)threads;
+    (void)threads, (void)capacity;
     return 3;
 }
 #endif
@@ -575,16 +592,20 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int64_t dt
 DEFINE_ROPE(f32, float, F32_LOAD, F32_STORE)
 DEFINE_ROPE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
-void rope_store(const void *qk, int64_t qk_stride, const void *v, int64_t v_stride,
-                const void *cos, const void *sin, void *q_out, void *k_cache, void *v_cache,
-                const int64_t *slots, int64_t tokens, int64_t hq, int64_t hkv, int64_t dim,
-                int64_t dtype) {
+/* Returns 0, or BAD_SLOT (having written nothing) when a slot lies outside
+ * the pool of `capacity` rows. */
+int rope_store(const void *qk, int64_t qk_stride, const void *v, int64_t v_stride,
+               const void *cos, const void *sin, void *q_out, void *k_cache, void *v_cache,
+               const int64_t *slots, int64_t tokens, int64_t hq, int64_t hkv, int64_t dim,
+               int64_t dtype, int64_t capacity) {
+    if (!slots_in_pool(slots, tokens, capacity)) return BAD_SLOT;
     if (dtype == F32)
         rope_f32(qk, qk_stride, v, v_stride, cos, sin, q_out, k_cache, v_cache, slots, tokens, hq,
                  hkv, dim);
     else
         rope_bf16(qk, qk_stride, v, v_stride, cos, sin, q_out, k_cache, v_cache, slots, tokens,
                   hq, hkv, dim);
+    return 0;
 }
 
 /* The vector width compiled in (16: AVX-512, 8: AVX2), 0 for none: the

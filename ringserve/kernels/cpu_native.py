@@ -47,6 +47,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
 LIBS = ("-lm", "-lpthread")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+BAD_SLOT = 4  # a kernel's status for a slot outside the pool (cpu_kernels.c)
 COMPILE_TIMEOUT_S = 120.0
 
 
@@ -61,7 +62,9 @@ class CpuKernels:
         fn = library.decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = (
-            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+            [ctypes.c_void_p] * 6
+            + [ctypes.c_int64] * 6
+            + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
         )
         self._fn = fn
         norm = library.add_rmsnorm
@@ -75,12 +78,12 @@ class CpuKernels:
         silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
         self._silu_mul = silu
         rope = library.rope_store
-        rope.restype = None
+        rope.restype = ctypes.c_int
         rope.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_int64,
+            ctypes.c_int64, ctypes.c_int64,
         ]  # fmt: skip
         self._rope = rope
         self.lanes = int(library.vectorized())  # 16: AVX-512, 8: AVX2, 0: plain loops
@@ -135,8 +138,12 @@ class CpuKernels:
         slots, lens = batch.req_slots.contiguous(), batch.seq_lens.contiguous()
         if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
             raise ValueError("k_cache and v_cache must be contiguous tensors of one shape")
-        if q.shape[0] != slots.shape[0]:
-            raise ValueError(f"{q.shape[0]} queries for {slots.shape[0]} sequences")
+        if q.shape[0] != slots.shape[0] or lens.shape != slots.shape[:1]:
+            raise ValueError(
+                f"{q.shape[0]} queries and {lens.numel()} lengths for {slots.shape[0]} sequences"
+            )
+        if slots.dtype != torch.int64 or lens.dtype != torch.int64:
+            raise ValueError("slots and lengths must be int64")
         out = torch.empty_like(q)
         status = self._fn(
             q.data_ptr(),
@@ -153,7 +160,13 @@ class CpuKernels:
             DTYPE_CODES[q.dtype],
             scale,
             torch.get_num_threads(),
+            k_cache.shape[0],
         )
+        if status == BAD_SLOT:
+            raise IndexError(
+                f"decode attention: a context reaches outside the KV pool of {k_cache.shape[0]} "
+                "slots (or past its slot table)"
+            )
         if status != 0:
             raise MemoryError(f"CPU decode attention failed (status {status})")
         return out
@@ -266,13 +279,17 @@ class CpuKernels:
         if v.shape != (tokens, hkv, dim) or heads <= hkv or signed_sin.shape != cos.shape:
             raise ValueError("rope_store: heads, values and tables do not agree")
         slots = out_slots.contiguous()
+        if slots.shape != (tokens,) or slots.dtype != torch.int64:
+            raise ValueError(f"rope_store: {tokens} tokens need {tokens} int64 slots")
         q_out = torch.empty(tokens, heads - hkv, dim, dtype=qk.dtype)
-        self._rope(
+        status = self._rope(
             qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
             cos.data_ptr(), signed_sin.contiguous().data_ptr(), q_out.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-            tokens, heads - hkv, hkv, dim, DTYPE_CODES[qk.dtype],
+            tokens, heads - hkv, hkv, dim, DTYPE_CODES[qk.dtype], k_cache.shape[0],
         )  # fmt: skip
+        if status == BAD_SLOT:
+            raise IndexError(f"rope_store: a slot lies outside the KV pool of {k_cache.shape[0]}")
         return q_out
 
 
