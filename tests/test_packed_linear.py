@@ -86,3 +86,21 @@ def test_the_engine_packs_bfloat16_weights_with_native_kernels_only():
     assert packed == {("bfloat16", "native"): True, ("bfloat16", "torch"): False,
                       ("float32", "native"): False}  # fmt: skip
     assert outputs["bfloat16", "native"] == outputs["bfloat16", "torch"]
+
+
+def test_a_cpu_onednn_cannot_serve_keeps_every_weight_plain(tmp_path, monkeypatch):
+    path = model_factory.llama_gqa(tmp_path)
+    cfg = ModelConfig.from_dir(path)
+    model = load_model(path, cfg, range(cfg.num_layers), torch.bfloat16)
+    prompt = [3, 17, 5, 9]
+    before = _forward(model, cfg, prompt)
+
+    def refuse(weight):
+        raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(packed_linear, "pack", refuse)
+    assert model.pack_linear_weights() == 0
+    assert not any(p.is_mkldnn for p in model.parameters())
+    assert torch.equal(_forward(model, cfg, prompt), before)
+    monkeypatch.setattr(packed_linear, "_onednn_bf16", lambda: False)
+    assert not packed_linear.can_pack(torch.zeros(8, 16, dtype=torch.bfloat16))

@@ -19,19 +19,23 @@ import torch.nn.functional as F
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """A plain bfloat16 matrix on the CPU, with oneDNN in this torch build."""
+    """A plain bfloat16 matrix on the CPU, with oneDNN in this torch build
+    and bfloat16 matmuls in oneDNN on this CPU (AVX-512 or newer)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and not weight.is_mkldnn
-        and torch.backends.mkldnn.is_available()
+        and _onednn_bf16()
     )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] in oneDNN's layout for `linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    """`weight` [out, in] in oneDNN's layout for `linear`, tried once on a
+    row of zeros; RuntimeError where oneDNN cannot run it."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    linear(torch.zeros(1, weight.shape[1], dtype=weight.dtype), packed)
+    return packed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,3 +44,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _onednn_bf16() -> bool:
+    try:
+        mkldnn = torch.ops.mkldnn
+        return torch.backends.mkldnn.is_available() and bool(mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # private ops: absent from some builds
+        return False

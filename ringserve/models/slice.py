@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import structlog
 import torch
 from torch import nn
 
 from ringserve.kernels import packed_linear
 from ringserve.models.config import ModelConfig
+
+log = structlog.get_logger(__name__)
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -73,9 +76,15 @@ class ModelSlice(nn.Module):
             owner_name, _, attr = name.rpartition(".")
             owner = self.get_submodule(owner_name) if owner_name else self
             weight = getattr(owner, attr)
-            if packed_linear.can_pack(weight):
-                setattr(owner, attr, nn.Parameter(packed_linear.pack(weight), requires_grad=False))
-                packed += 1
+            if not packed_linear.can_pack(weight):
+                continue
+            try:
+                done = packed_linear.pack(weight)
+            except RuntimeError as exc:  # this oneDNN cannot: the rest stay plain too
+                log.info("weights.plain", reason=str(exc).splitlines()[0][:200])
+                return packed
+            setattr(owner, attr, nn.Parameter(done, requires_grad=False))
+            packed += 1
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
