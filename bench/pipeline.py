@@ -107,8 +107,8 @@ def main() -> None:
         "--max-batch",
         type=int,
         default=None,
-        help="rows per pass (default --requests): --requests N x (pp + 1) with --max-batch N "
-        "fills every micro-batch the default depth opens (pp + 1), the saturated case, where "
+        help="rows per pass (default --requests): --requests N x (pp + 2) with --max-batch N "
+        "fills every micro-batch the default depth opens (pp + 2), the saturated case, where "
         "pp 1 runs passes of the same size",
     )
     ap.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)

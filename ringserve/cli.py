@@ -77,7 +77,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--passes-in-flight",
         type=int,
         help="the most micro-batches in flight; those past the number of ranks open only "
-        "while requests wait for them (default: ranks + 1 on a ring, 1 on one rank)",
+        "while requests wait for them (default: ranks + 2 on a ring, 1 on one rank)",
     )
     p.add_argument(
         "--max-waiting-requests",

@@ -66,7 +66,7 @@ class EngineConfig:
     heartbeat_s: float = 1.0
     layer_split: tuple[int, ...] | None = field(default=None)
     torch_threads: int | None = None
-    passes_in_flight: int | None = None  # most passes in flight; default: ranks + 1 on a ring
+    passes_in_flight: int | None = None  # most passes in flight; default: ranks + 2 on a ring
     plan_for: str = "balanced"
     rank_speed: tuple[float, ...] | None = None  # per layer, relative; None: all equal
     min_kv_tokens: int | None = None  # the planner refuses a capacity below this
