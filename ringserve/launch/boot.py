@@ -93,18 +93,21 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
     return drafter
 
 
+def native_cpu(config: EngineConfig, device: torch.device) -> bool:
+    """Whether this rank runs on the CPU with `cpu_kernels` native."""
+    return device.type == "cpu" and config.cpu_kernels == "native"
+
+
 def cpu_kernels(config: EngineConfig, device: torch.device) -> CpuKernels | None:
     """The in-place CPU decode attention kernel, where the device is the
     CPU, the config asks for it and it builds here; None: the torch path."""
-    if device.type != "cpu" or config.cpu_kernels != "native":
-        return None
-    return CpuKernels.load()
+    return CpuKernels.load() if native_cpu(config, device) else None
 
 
 def pack_weights(model: ModelSlice, config: EngineConfig, device: torch.device) -> None:
     """On the CPU with `cpu_kernels` native, the matmul weights that run
     faster packed (kernels/packed_linear.py) are packed once, here."""
-    if device.type == "cpu" and config.cpu_kernels == "native":
+    if native_cpu(config, device):
         packed = model.pack_linear_weights()
         span = f"{model.layer_range.start}:{model.layer_range.stop}"
         log.debug("weights.packed", layers=span, matrices=packed)
