@@ -279,8 +279,14 @@ def test_activation_estimate_charges_the_sampler_to_the_last_rank():
         for r in (0, 1)
     )  # fmt: skip
     assert first.source == last.source == "config"
-    assert first.bytes == 512 * 2 * (6 * 5120 + 2 * 5120 + 2 * 1024 + 3 * 13824)
+    width = 6 * 5120 + 2 * 5120 + 2 * 1024 + 3 * 13824 + 2 * 128
+    assert first.bytes == 512 * (2 * width + 4 * 2 * 5120)
     assert last.bytes - first.bytes == 64 * 152064 * 8
+    normed = ModelConfig.from_dict({**QWEN_14B, "model_type": "qwen3"})
+    assert normed.qk_norm
+    with_norms = estimate_activations(normed, "bfloat16", rank=0, pp_size=2,
+                                      max_num_tokens_per_pass=512)  # fmt: skip
+    assert with_norms.bytes - first.bytes == 512 * 2 * (5120 + 1024)  # queries and keys normed
 
 
 def test_budgets_given_and_measured():

@@ -108,9 +108,15 @@ class LlamaLayer(nn.Module):
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         heads = linear(x, self.qkv, self.qkv_bias).unflatten(-1, (hq + 2 * hkv, cfg.head_dim))
         qk, v = heads.split([hq + hkv, hkv], dim=1)
-        if self.q_norm is not None:
-            q = ops.rmsnorm(qk[:, :hq], self.q_norm, cfg.norm_eps)
-            qk = torch.cat((q, ops.rmsnorm(qk[:, hq:], self.k_norm, cfg.norm_eps)), dim=1)
+        if self.q_norm is not None:  # one expression: the normed halves die with the cat
+            eps = cfg.norm_eps
+            qk = torch.cat(
+                (
+                    ops.rmsnorm(qk[:, :hq], self.q_norm, eps),
+                    ops.rmsnorm(qk[:, hq:], self.k_norm, eps),
+                ),
+                dim=1,
+            )
         native = batch.native
         if native is not None and native.supports_rope_store(qk, v, rope[0], k_cache, v_cache):
             q = native.rope_store(qk, v, *rope, k_cache, v_cache, batch.out_slots)

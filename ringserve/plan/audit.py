@@ -7,15 +7,19 @@ any rank starts). Injected `slow` faults are not in it: they act on passes."""
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import gc
+import os
+import sys
+import tempfile
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import structlog
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler import profile
 
 from ringserve.engine.drafter import Drafter
 from ringserve.engine.runner import Runner
@@ -24,52 +28,86 @@ log = structlog.get_logger(__name__)
 
 
 def measure_activations(runner: Runner, tokens: int, rows: int) -> int:
-    """Activation peak of a dry forward at the largest pass, in bytes: the
-    device's peak allocation on CUDA, the rise of the resident-set high-water
-    mark on the CPU (see `measure_peak`)."""
+    """Activation peak of a dry forward at the largest pass, in bytes (see
+    `measure_peak`)."""
     return measure_peak(runner.device, lambda: runner.dry_run(tokens, rows))
 
 
 def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
-    """The bytes `run` takes at its peak beyond what was allocated before.
+    """The bytes of tensor memory `run` holds at its peak beyond what was
+    allocated before: the caching allocator's peak on CUDA; on the CPU the
+    peak of the running sum of the allocations and frees torch's CPU
+    allocator reports to its profiler while `run` lasts (what oneDNN takes
+    through torch included; a block from before the run is freed unseen,
+    the allocator knows no size for it, so it cannot lower the figure).
+    Exact and repeatable, where a resident-set rise is not: the C heap's
+    placement of the same blocks moves that by tens of pages a run.
 
-    On the CPU the figure is the rise of the resident set's high-water mark
-    (reset through /proc/self/clear_refs). A first run also pays one-time
-    costs (thread pools, allocator arenas) that are no activations, and
-    memory the C allocator kept from earlier frees hides a rise: so `run`
-    runs once unmeasured, and freed memory goes back to the system
-    (`malloc_trim`, where the C library has it) before the measured run.
-    Python's cyclic garbage is collected first and the collector is off
-    while the measured run lasts: a collection in it would free memory that
-    earlier code left behind and the run would reuse it, hiding part of its
-    peak. Measured so, the figure repeats within a few percent."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        run()
-        return torch.cuda.max_memory_allocated(device) - before
-    run()
+    Tensors a first run creates and keeps (caches) count, as they do on
+    CUDA: they are memory the plan must cover. Python's cyclic garbage is
+    collected first and the collector is off while `run` lasts: a
+    collection inside it would free tensors that earlier code left behind,
+    and their frees would hide part of the peak."""
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        _trim_heap()
-        Path("/proc/self/clear_refs").write_text("5")
-        before = _status_kib("VmRSS")
-        run()
-        return max(0, _status_kib("VmHWM") - before) * 1024
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            run()
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device) - before
+        with _kineto_banner_dropped(), profile(profile_memory=True) as prof:
+            run()
+        return peak_of(
+            (event.start_ns(), event.nbytes())
+            for event in prof.kineto_results.events()
+            if event.name() == "[memory]" and event.device_type() == DeviceType.CPU
+        )
     finally:
         if enabled:
             gc.enable()
 
 
-def _trim_heap() -> None:
-    """Hand the C allocator's free memory back to the system (glibc only)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+def peak_of(changes: Iterable[tuple[int, int]]) -> int:
+    """The highest running sum of (time, bytes) allocations (bytes > 0) and
+    frees (bytes < 0) taken in time order, from 0: what was live before is
+    not counted. Within one instant allocations go before frees, so a peak
+    is never read low."""
+    live = peak = 0
+    for _, nbytes in sorted(changes, key=lambda c: (c[0], -c[1])):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@contextlib.contextmanager
+def _kineto_banner_dropped() -> Iterator[None]:
+    """Run the block with the process's stderr caught in a file, then write
+    back everything but the `USDT: ... profiler_start/stop` lines the
+    profiler's C++ side prints at each start and stop (no setting silences
+    them): a rank's boot log stays clean and no other line written
+    meanwhile, by any thread, is lost."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(True) if not _banner(line)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+def _banner(line: bytes) -> bool:
+    return line.startswith(b"USDT:") and b"SyncActivityProfilerHandler" in line
 
 
 def measure_ms_per_layer(runner: Runner, tokens: int, rows: int) -> float:
@@ -85,13 +123,6 @@ def measure_ms_per_layer(runner: Runner, tokens: int, rows: int) -> float:
     return (time.perf_counter() - start) * 1e3 / len(runner.layers)
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def check_allocation(
     plan_dict: dict[str, Any] | None, rank: int, runner: Runner, tokens: int, rows: int
 ) -> None:
@@ -100,11 +131,7 @@ def check_allocation(
     unforeseen."""
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_bytes = runner.pool.nbytes
-    try:
-        activations = measure_activations(runner, tokens, rows)
-    except OSError as exc:  # no /proc: say so rather than report a made-up 0
-        log.warning("plan.activations_unmeasured", rank=rank, reason=str(exc))
-        activations = None
+    activations = measure_activations(runner, tokens, rows)
     if plan_dict is None:
         log.info(
             "plan.allocated",
@@ -118,11 +145,7 @@ def check_allocation(
     row = plan_dict["ranks"][rank]
     _report_speed(row, rank, measure_ms_per_layer(runner, tokens, rows))
     planned = {k: row[k]["bytes"] for k in ("weights", "kv", "activations")}
-    actual = {"weights": weights, "kv": kv_bytes}
-    if activations is not None:
-        actual["activations"] = confirmed(
-            activations, planned["activations"], lambda: measure_activations(runner, tokens, rows)
-        )
+    actual = {"weights": weights, "kv": kv_bytes, "activations": activations}
     host = runner.host.nbytes if runner.host is not None else 0
     if host or "host_kv" in row:  # host memory: its own column, outside the budget
         planned["host_kv"] = row.get("host_kv", {"bytes": 0})["bytes"]
@@ -137,38 +160,21 @@ def check_draft(plan_dict: dict[str, Any] | None, drafter: Drafter, tokens: int,
     draft entry of rank 0's ledger row, as check_allocation does for the
     target: a draft the plan left out is unforeseen in every part."""
     weights = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
-    actual = {"draft_weights": weights, "draft_kv": drafter.pool.nbytes}
-
-    def measure() -> int:
-        return measure_peak(drafter.device, lambda: drafter.dry_run(tokens, rows))
-
-    try:
-        actual["draft_activations"] = measure()
-    except OSError as exc:
-        log.warning("plan.activations_unmeasured", rank=0, part="draft", reason=str(exc))
+    actual = {
+        "draft_weights": weights,
+        "draft_kv": drafter.pool.nbytes,
+        "draft_activations": measure_peak(drafter.device, lambda: drafter.dry_run(tokens, rows)),
+    }
     if plan_dict is None:
         log.info("plan.allocated", rank=0, planned=False, actual=actual)
         return
     entry = plan_dict["ranks"][0].get("draft", {})
     planned = {f"draft_{k}": entry.get(k, {"bytes": 0})["bytes"] for k in _DRAFT_PARTS}
-    if "draft_activations" in actual:
-        actual["draft_activations"] = confirmed(
-            actual["draft_activations"], planned["draft_activations"], measure
-        )
     log.info("plan.allocated", rank=0, planned=planned, actual=actual)
     _report_unforeseen(0, planned, actual)
 
 
 _DRAFT_PARTS = ("weights", "kv", "activations")
-
-
-def confirmed(measured: int, planned: int, again: Callable[[], int]) -> int:
-    """An activation peak above the plan, measured once more; the smaller
-    figure stands. On the CPU a peak is a resident-set rise, which any other
-    allocation in the process during the run inflates (a page or an
-    allocator arena: a sizeable share of a tiny model's activations), so a
-    single high reading is not yet a shortfall of the plan."""
-    return min(measured, again()) if measured > planned else measured
 
 
 def _report_unforeseen(rank: int, planned: dict[str, int], actual: dict[str, int]) -> None:

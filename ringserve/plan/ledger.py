@@ -76,20 +76,27 @@ def estimate_activations(
     N = max_num_tokens_per_pass, S = min(N, max_num_seqs) sampled rows and
     e = bytes of `dtype`:
 
-        every rank   N * e * (6h + 2q + 2kv + 3i)
+        every rank   N * e * (6h + 2q + 2kv + 3i + 2d [+ q + kv]) + N * 4 * 2h
             6h: hidden and residual received, the normed input, the layer
                 output, hidden and residual to send (retained until delivered);
             2q: queries and attention output; 2kv: new K and V rows;
             3i: gate, up and their product. Layers run one after another, so
                 one layer's working set is live at a time.
+            2d: the pass's rope tables (cos and sin of head_dim d);
+            q + kv: with a q/k norm, the normed queries and keys before they
+                are joined;
+            2h in float32: an RMSNorm's temporaries.
         last rank    + S * vocab * 8: float32 logits and probabilities.
 
     Attention score matrices are not counted (the paged kernels stream over
-    the context); a dry forward on the rank measures what a backend really
-    takes, and its figure replaces this one."""
+    the context). The boot audit measures the exact peak of a dry forward
+    at this pass (`plan/audit.py`) and reports any excess as unforeseen."""
     n, e = max_num_tokens_per_pass, _DTYPE_BYTES[dtype]
     width = 6 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
-    peak = n * e * width
+    width += 2 * cfg.head_dim  # the pass's rope tables, cos and sin
+    if cfg.qk_norm:
+        width += cfg.q_size + cfg.kv_size  # the normed queries and keys before their cat
+    peak = n * (e * width + 4 * 2 * cfg.hidden_size)  # + a norm's float32 temporaries
     if rank == pp_size - 1:
         peak += min(n, max_num_seqs) * cfg.vocab_size * 8
     return Figure(peak, "config")
