@@ -10,6 +10,7 @@ never starts is reported instead of waited for.
 from __future__ import annotations
 
 import datetime
+import sys
 
 import structlog
 import torch.distributed as dist
@@ -42,9 +43,15 @@ def init_group(
         is_master=rank == 0,
         timeout=datetime.timedelta(seconds=connect_timeout_s),
     )
+    hook = sys.excepthook
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=OPERATION_TIMEOUT
     )
+    # torch wraps the process's excepthook to prefix `[rank0]: ` to each line,
+    # once more at every group joined: a program that opens one LLM after
+    # another would print its tracebacks with the prefix stacked. The hook is
+    # the program's, not the ring's.
+    sys.excepthook = hook
     log.info(
         "group.joined", rank=rank, world_size=world_size, master=f"{master_addr}:{master_port}"
     )
