@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import weakref
 
 import torch
@@ -86,6 +88,29 @@ def test_stderr_keeps_every_line_the_run_writes_and_loses_the_profilers_banner(c
     assert "from the run, below Python\n" in err
     assert "from the run, through Python\n" in err
     assert "USDT" not in err and "profiler_start" not in err
+    assert "ERROR" not in err
+
+
+def test_a_first_peak_measured_on_another_thread_is_exact_and_prints_nothing():
+    # the profiler complains once per process, when it first starts on a
+    # thread other than the one that imported torch: a fresh interpreter
+    code = """
+import threading, torch
+from ringserve.plan.audit import measure_peak
+def run():
+    held = [torch.ones(8192) for _ in range(64)]  # 2 MiB
+figures = []
+thread = threading.Thread(target=lambda: figures.append(measure_peak(torch.device("cpu"), run)))
+thread.start()
+thread.join()
+figures.append(measure_peak(torch.device("cpu"), run))
+print(figures)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == str([2 * MIB, 2 * MIB])
+    assert done.stderr == ""
 
 
 def test_within_one_instant_allocations_count_before_frees():
