@@ -280,7 +280,7 @@ def test_activation_estimate_charges_the_sampler_to_the_last_rank():
     )  # fmt: skip
     assert first.source == last.source == "config"
     width = 6 * 5120 + 2 * 5120 + 2 * 1024 + 3 * 13824 + 2 * 128
-    assert first.bytes == 512 * (2 * width + 4 * 2 * 5120)
+    assert first.bytes == 512 * (2 * width + 4 * (2 * 5120 + 2 * 5120))
     assert last.bytes - first.bytes == 64 * 152064 * 8
     normed = ModelConfig.from_dict({**QWEN_14B, "model_type": "qwen3"})
     assert normed.qk_norm

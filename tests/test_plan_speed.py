@@ -147,7 +147,8 @@ def test_on_a_big_card_beside_two_small_ones_only_throughput_unloads_the_big_car
     assert capacity.layer_split == (30, 10, 8) and capacity.bottleneck.rank == 0
     assert qwen([28000, 9000, 9000], plan_for="balanced").layer_split == (30, 10, 8)
     fast = qwen([28000, 9000, 9000], plan_for="throughput")
-    assert fast.layer_split == (20, 16, 12) and fast.bottleneck.stage_time == 20.0
+    # a 9 GB card holds 15 layers beside its activations (16 leave no room for KV)
+    assert fast.layer_split == (21, 15, 12) and fast.bottleneck.stage_time == 21.0
 
 
 def test_min_kv_tokens_beyond_any_split_is_refused_naming_the_shortfall():

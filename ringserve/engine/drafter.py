@@ -32,9 +32,11 @@ class Drafter:
         pool: KVPool,
         device: torch.device,
         native: CpuKernels | None = None,
+        gather_limit: int | None = None,
     ) -> None:
         self.model = model
         self.native = native
+        self.gather_limit = gather_limit  # see ForwardBatch.gather_limit
         self.pool = pool
         self.device = device
         self.allocator = SlotAllocator(pool.capacity)
@@ -88,14 +90,21 @@ class Drafter:
         measures the draft's activation peak with it, before any request."""
         rows_slots = dry_run_slots(tokens, rows, self.pool.capacity)
         sizes = [len(r) for r in rows_slots]
-        batch = ForwardBatch.build(rows_slots, sizes, [True] * len(sizes), self.device)
+        batch = ForwardBatch.build(
+            rows_slots, sizes, [True] * len(sizes), self.device, self.native, self.gather_limit
+        )
         ids = torch.zeros(sum(sizes), dtype=torch.int64, device=self.device)
         self.model.logits(self.model(ids, batch, self.pool)[batch.sample_rows])
 
     def _step(self, rows: list[list[int]], feeds: list[list[int]]) -> list[int]:
         """One forward: each row extends by its feed; the argmax after each."""
         batch = ForwardBatch.build(
-            rows, [len(f) for f in feeds], [True] * len(rows), self.device, self.native
+            rows,
+            [len(f) for f in feeds],
+            [True] * len(rows),
+            self.device,
+            self.native,
+            self.gather_limit,
         )
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)
         hidden = self.model(ids, batch, self.pool)

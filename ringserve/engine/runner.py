@@ -30,9 +30,11 @@ class Runner:
         num_layers: int,
         host: HostPool | None = None,
         native: CpuKernels | None = None,
+        gather_limit: int | None = None,
     ) -> None:
         self.model = model
         self.native = native
+        self.gather_limit = gather_limit  # see ForwardBatch.gather_limit
         self.pool = pool
         self.host = host
         self.device = device
@@ -50,6 +52,7 @@ class Runner:
             [e.sample for e in entries],
             self.device,
             self.native,
+            self.gather_limit,
         )
 
     @torch.inference_mode()
@@ -85,7 +88,9 @@ class Runner:
         peak at boot, before any request exists."""
         rows_slots = dry_run_slots(tokens, rows, self.pool.capacity)
         tokens, sizes = sum(map(len, rows_slots)), [len(r) for r in rows_slots]
-        batch = ForwardBatch.build(rows_slots, sizes, [True] * len(sizes), self.device)
+        batch = ForwardBatch.build(
+            rows_slots, sizes, [True] * len(sizes), self.device, self.native, self.gather_limit
+        )
         if self.first:
             x = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         else:

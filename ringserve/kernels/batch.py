@@ -42,6 +42,9 @@ class ForwardBatch:
     # the CPU's in-place decode attention, where the runner has one (cpu_native.py)
     native: CpuKernels | None = None
     _parts: MixedParts | None = None  # `mixed_parts`, made once per pass
+    # the most context tokens an attention that copies contexts out of the
+    # pool may copy at once (attention_bounded.py); None: no bound
+    gather_limit: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -63,11 +66,13 @@ class ForwardBatch:
         sample: list[bool],
         device: torch.device | str = "cpu",
         native: CpuKernels | None = None,
+        gather_limit: int | None = None,
     ) -> ForwardBatch:
         """`rows[b]` is sequence b's full context (prefix then new slots);
         `extend_lens[b]` how many of them are new; `sample[b]` whether the
         last new token's logits are sampled. `native`, when given, is the
-        kernel CPU decode passes attend with."""
+        kernel CPU decode passes attend with; `gather_limit` bounds what
+        attention through torch copies out of the pool at once."""
         if not (len(rows) == len(extend_lens) == len(sample)) or not rows:
             raise ValueError("rows, extend_lens and sample must be equal, non-empty lists")
         seq_lens = [len(r) for r in rows]
@@ -82,7 +87,7 @@ class ForwardBatch:
         else:
             ext_t = torch.tensor(extend_lens, dtype=torch.int64)
             batch = cls._extend(req_slots, seq_t, ext_t, torch.tensor(sample), dev)
-        batch.native = native
+        batch.native, batch.gather_limit = native, gather_limit
         return batch
 
     @classmethod
@@ -192,21 +197,22 @@ class MixedParts:
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> MixedParts:
-        dev = batch.req_slots.device
         one = batch.extend_lens == 1
         parts: list[tuple[ForwardBatch | None, torch.Tensor]] = []
         for chosen in (one, ~one):
             seqs = chosen.nonzero()[:, 0]
-            if seqs.numel() == 0:
-                parts.append((None, seqs))
-                continue
-            seq_t = batch.seq_lens[seqs].cpu()
-            slots = batch.req_slots[seqs, : int(seq_t.max())].cpu()
-            ext_t = batch.extend_lens[seqs].cpu()
-            sub = ForwardBatch._extend(
-                slots, seq_t, ext_t, torch.zeros(len(seqs), dtype=torch.bool), dev
-            )
-            rows = batch.q_index[seqs][batch.q_valid[seqs]]  # each query's row, in order
-            parts.append((sub, rows))
+            parts.append((None, seqs) if seqs.numel() == 0 else sub_batch(batch, seqs))
         (decode, decode_rows), (extend, extend_rows) = parts
         return cls(decode, decode_rows, extend, extend_rows)
+
+
+def sub_batch(batch: ForwardBatch, seqs: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor]:
+    """The batch of `batch`'s sequences `seqs` (indices, in order), cut to
+    their own longest context, and the rows of its queries in `batch`."""
+    seq_t = batch.seq_lens[seqs].cpu()
+    slots = batch.req_slots[seqs, : int(seq_t.max())].cpu()
+    ext_t = batch.extend_lens[seqs].cpu()
+    none = torch.zeros(len(seqs), dtype=torch.bool)
+    sub = ForwardBatch._extend(slots, seq_t, ext_t, none, batch.req_slots.device)
+    sub.gather_limit = batch.gather_limit
+    return sub, batch.q_index[seqs][batch.q_valid[seqs]]  # each query's row, in order

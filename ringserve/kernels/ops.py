@@ -13,6 +13,7 @@ from ringserve.kernels import extend_attention as extend
 from ringserve.kernels import rmsnorm as triton_norm
 from ringserve.kernels import sample as triton_sample
 from ringserve.kernels import store_kv as triton_store
+from ringserve.kernels.attention_bounded import paged_attention_bounded
 from ringserve.kernels.attention_reference import paged_attention_reference, store_kv_reference
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.cpu_native import CpuKernels
@@ -48,23 +49,37 @@ def paged_attention(
     if not uses_triton(q.device):
         native = batch.native
         if native is None:
-            return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+            return _gathering(q, k_cache, v_cache, batch, scale)
         if batch.decode_only:
             return _cpu_decode(native, q, k_cache, v_cache, batch, scale)
         # A pass that mixes decoding and extending sequences: each kind apart
         parts = batch.mixed_parts()
         if parts.decode is None:
-            return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+            return _gathering(q, k_cache, v_cache, batch, scale)
         out = torch.empty_like(q)
         rows = parts.decode_rows
         out[rows] = _cpu_decode(native, q[rows], k_cache, v_cache, parts.decode, scale)
         if parts.extend is not None:
             rows = parts.extend_rows
-            out[rows] = paged_attention_reference(q[rows], k_cache, v_cache, parts.extend, scale)
+            out[rows] = _gathering(q[rows], k_cache, v_cache, parts.extend, scale)
         return out
     if batch.decode_only:
         return decode.decode_attention(q, k_cache, v_cache, batch, scale)
     return extend.extend_attention(q, k_cache, v_cache, batch, scale)
+
+
+def _gathering(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Attention through torch, which copies contexts out of the pool:
+    within the batch's gather limit where it has one."""
+    if batch.gather_limit is None:
+        return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+    return paged_attention_bounded(q, k_cache, v_cache, batch, scale, batch.gather_limit)
 
 
 def _cpu_decode(
@@ -77,7 +92,7 @@ def _cpu_decode(
 ) -> torch.Tensor:
     if native.supports_decode(q, k_cache, batch):
         return native.decode_attention(q, k_cache, v_cache, batch, scale)
-    return paged_attention_reference(q, k_cache, v_cache, batch, scale)
+    return _gathering(q, k_cache, v_cache, batch, scale)
 
 
 def rmsnorm(

@@ -57,7 +57,16 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
         log.info("host_pool.allocated", rank=rank, tokens=config.host_kv_tokens, bytes=host.nbytes)
     native = cpu_kernels(config, device)
     pack_weights(model, config, device)
-    runner = Runner(model, pool, device, layers, cfg.num_layers, host=host, native=native)
+    runner = Runner(
+        model,
+        pool,
+        device,
+        layers,
+        cfg.num_layers,
+        host=host,
+        native=native,
+        gather_limit=config.max_tokens_per_pass,
+    )
     check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
     faults = FaultPlan.from_env(rank)
     return FaultyStage(runner, rank, faults) if faults.touches_stage else Stage(runner, rank)
@@ -88,7 +97,9 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
     )
     log.info("draft.loaded", layers=len(layers), pool_bytes=pool.nbytes)
     pack_weights(model, config, device)
-    drafter = Drafter(model, pool, device, cpu_kernels(config, device))
+    drafter = Drafter(
+        model, pool, device, cpu_kernels(config, device), gather_limit=config.max_tokens_per_pass
+    )
     check_draft(config.plan, drafter, config.max_tokens_per_pass, config.max_batch)
     return drafter
 

@@ -76,7 +76,7 @@ def estimate_activations(
     N = max_num_tokens_per_pass, S = min(N, max_num_seqs) sampled rows and
     e = bytes of `dtype`:
 
-        every rank   N * e * (6h + 2q + 2kv + 3i + 2d [+ q + kv]) + N * 4 * 2h
+        every rank   N * e * (6h + 2q + 2kv + 3i + 2d [+ q + kv]) + N * 4 * (2h + 2q)
             6h: hidden and residual received, the normed input, the layer
                 output, hidden and residual to send (retained until delivered);
             2q: queries and attention output; 2kv: new K and V rows;
@@ -85,7 +85,10 @@ def estimate_activations(
             2d: the pass's rope tables (cos and sin of head_dim d);
             q + kv: with a q/k norm, the normed queries and keys before they
                 are joined;
-            2h in float32: an RMSNorm's temporaries.
+            2h in float32: an RMSNorm's temporaries; 2q in float32: on the
+                CPU, the running merge of a long context's attention, which
+                copies at most N context tokens' K and V at once
+                (`kernels/attention_bounded.py`).
         last rank    + S * vocab * 8: float32 logits and probabilities.
 
     Attention score matrices are not counted (the paged kernels stream over
@@ -96,7 +99,9 @@ def estimate_activations(
     width += 2 * cfg.head_dim  # the pass's rope tables, cos and sin
     if cfg.qk_norm:
         width += cfg.q_size + cfg.kv_size  # the normed queries and keys before their cat
-    peak = n * (e * width + 4 * 2 * cfg.hidden_size)  # + a norm's float32 temporaries
+    # + a norm's float32 temporaries, and the float32 merge of a long
+    # context's attention tiles (kernels/attention_bounded.py)
+    peak = n * (e * width + 4 * (2 * cfg.hidden_size + 2 * cfg.q_size))
     if rank == pp_size - 1:
         peak += min(n, max_num_seqs) * cfg.vocab_size * 8
     return Figure(peak, "config")
