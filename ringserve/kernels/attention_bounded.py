@@ -18,6 +18,8 @@ which the planner charges (`plan/ledger.py`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ringserve.kernels.attention_reference import paged_attention_reference
@@ -37,36 +39,65 @@ def paged_attention_bounded(
     """`paged_attention_reference`'s result ([T, Hq, D]) copying at most
     `limit` (>= 1) context tokens' K and V at once; the same bits where the
     whole batch fits."""
-    if limit < 1:
-        raise ValueError(f"a gather limit is at least one token, got {limit}")
-    lens = batch.seq_lens.tolist()
-    if len(lens) * max(lens) <= limit:
+    steps = gather_steps(batch, limit)
+    if steps is None:
         return paged_attention_reference(q, k_cache, v_cache, batch, scale)
     out = torch.empty_like(q)
-    starts = batch.qo_indptr.tolist()
-    extends = batch.extend_lens.tolist()
-    group: list[int] = []
-    widest = 0
-
-    def flush() -> None:
-        if group:
-            sub, rows = sub_batch(batch, torch.tensor(group, dtype=torch.int64))
+    for step in steps:
+        if isinstance(step, Alone):
+            rows = slice(step.start, step.stop)
+            out[rows] = _tiled(q[rows], k_cache, v_cache, step.slots, step.new, scale, limit)
+        else:
+            sub, rows = step
             out[rows] = paged_attention_reference(q[rows], k_cache, v_cache, sub, scale)
-            group.clear()
-
-    for b, n in enumerate(lens):
-        if n > limit:
-            rows = slice(starts[b], starts[b + 1])
-            slots = batch.req_slots[b, :n]
-            out[rows] = _tiled(q[rows], k_cache, v_cache, slots, extends[b], scale, limit)
-            continue
-        if group and (len(group) + 1) * max(widest, n) > limit:
-            flush()
-            widest = 0
-        group.append(b)
-        widest = max(widest, n)
-    flush()
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Alone:
+    """A sequence attended alone, in tiles: its query rows start:stop, its
+    context's slots, its new tokens."""
+
+    start: int
+    stop: int
+    slots: torch.Tensor
+    new: int
+
+
+Step = Alone | tuple[ForwardBatch, torch.Tensor]
+
+
+def gather_steps(batch: ForwardBatch, limit: int) -> list[Step] | None:
+    """How `batch` attends within `limit`: None when it fits whole, else
+    groups of sequences (a sub-batch and its query rows) and sequences
+    alone. Made once per pass and kept on the batch: every layer attends
+    the same way."""
+    if limit < 1:
+        raise ValueError(f"a gather limit is at least one token, got {limit}")
+    cached = batch.gather_plan
+    if cached is not None and cached[0] == limit:
+        return cached[1]
+    lens = batch.seq_lens.tolist()
+    steps: list[Step] | None = None
+    if len(lens) * max(lens) > limit:
+        steps = []
+        starts, extends = batch.qo_indptr.tolist(), batch.extend_lens.tolist()
+        group: list[int] = []
+        widest = 0
+        for b, n in enumerate(lens):
+            if n > limit:
+                slots = batch.req_slots[b, :n]
+                steps.append(Alone(starts[b], starts[b + 1], slots, extends[b]))
+                continue
+            if group and (len(group) + 1) * max(widest, n) > limit:
+                steps.append(sub_batch(batch, torch.tensor(group, dtype=torch.int64)))
+                group, widest = [], 0
+            group.append(b)
+            widest = max(widest, n)
+        if group:
+            steps.append(sub_batch(batch, torch.tensor(group, dtype=torch.int64)))
+    batch.gather_plan = (limit, steps)
+    return steps
 
 
 def _tiled(

@@ -11,7 +11,7 @@ attend over `req_slots`, so attention only ever reads the pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class ForwardBatch:
     # the most context tokens an attention that copies contexts out of the
     # pool may copy at once (attention_bounded.py); None: no bound
     gather_limit: int | None = None
+    # (limit, steps) of `attention_bounded.gather_steps`, made once per pass
+    gather_plan: tuple[int, list[Any] | None] | None = None
 
     @property
     def batch_size(self) -> int:
