@@ -76,8 +76,9 @@ def _gathering(
     scale: float,
 ) -> torch.Tensor:
     """Attention through torch, which copies contexts out of the pool:
-    within the batch's gather limit where it has one."""
-    if batch.gather_limit is None:
+    within the batch's gather limit where it has one (on the CPU: the tiles
+    use torch's CPU flash attention)."""
+    if batch.gather_limit is None or q.device.type != "cpu":
         return paged_attention_reference(q, k_cache, v_cache, batch, scale)
     return paged_attention_bounded(q, k_cache, v_cache, batch, scale, batch.gather_limit)
 
