@@ -58,7 +58,9 @@ def hidden_states(pass_id: int, tokens: int) -> torch.Tensor:
 
 
 def report(event: str, **fields: object) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    # one write per line: link threads log to the same stdout meanwhile
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
 
 
 def pass_tensors(pass_id: int) -> tuple[torch.Tensor, ...]:
@@ -394,7 +396,8 @@ if __name__ == "__main__":
     cli = parse_args()
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        # one write per line (print writes a line and its newline apart)
+        logger_factory=structlog.WriteLoggerFactory(sys.stdout),
     )
     if cli.drop_handles:
         drop_handles()
