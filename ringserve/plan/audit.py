@@ -27,10 +27,10 @@ from ringserve.engine.runner import Runner
 log = structlog.get_logger(__name__)
 
 
-def measure_activations(runner: Runner, tokens: int, rows: int) -> int:
-    """Activation peak of a dry forward at the largest pass, in bytes (see
-    `measure_peak`)."""
-    return measure_peak(runner.device, lambda: runner.dry_run(tokens, rows))
+def measure_activations(part: Runner | Drafter, tokens: int, rows: int) -> int:
+    """Activation peak of a dry forward of the rank's slice or of rank 0's
+    draft model at the largest pass, in bytes (see `measure_peak`)."""
+    return measure_peak(part.device, lambda: part.dry_run(tokens, rows))
 
 
 def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
@@ -168,7 +168,7 @@ def check_draft(plan_dict: dict[str, Any] | None, drafter: Drafter, tokens: int,
     actual = {
         "draft_weights": weights,
         "draft_kv": drafter.pool.nbytes,
-        "draft_activations": measure_peak(drafter.device, lambda: drafter.dry_run(tokens, rows)),
+        "draft_activations": measure_activations(drafter, tokens, rows),
     }
     if plan_dict is None:
         log.info("plan.allocated", rank=0, planned=False, actual=actual)
