@@ -202,6 +202,66 @@ async def announced(peer: Peer) -> None:
     report("peer.result", got=got, control=control.seq, closed=closed)
 
 
+# Passes of the held scenario: tokens of each decision (pass 3's overflows
+# the head on its own).
+HELD = {0: 2, 1: 3, 2: 1, 3: 2000, 4: 5}
+
+
+async def held(peer: Peer) -> None:
+    """Held messages ride ahead in the next frame posted, as the engine
+    sends its decisions: with a Hidden, a Control, a flush, the shutdown."""
+    if peer.rank == 0:
+        link, steps, refused = peer.send, {}, []
+        await link.send(decision(0, HELD[0]), hold=True)
+        steps["held"] = [link.held, link.sent_bytes]
+        await link.send(Hidden(0), (hidden_states(0, HELD[0]),))
+        steps["hidden"] = [link.held, link.sent_bytes]
+        await peer.inbox.get(Control)  # rank 1 has counted what came with it
+        for p in (1, 2):
+            await link.send(decision(p, HELD[p]), hold=True)
+        await link.send(Control(ControlKind.HEARTBEAT, seq=1))
+        steps["control"] = [link.held, link.sent_bytes]
+        await peer.inbox.get(Control)
+        await link.send(Hidden(1), (hidden_states(1, HELD[1]),))
+        await link.send(Hidden(2, void="injected", void_rank=0))
+        before = link.sent_bytes
+        await link.send(decision(3, HELD[3]), hold=True)
+        await link.flush()
+        steps["flushed"] = [link.held, link.sent_bytes - before]
+        await link.send(Hidden(3), (hidden_states(3, HELD[3]),))
+        for bad, tensors in (
+            (Hidden(9), ()),
+            (Control(ControlKind.SHUTDOWN, rank=0), ()),
+            (Control(ControlKind.HEARTBEAT, seq=2), (torch.zeros(1),)),
+        ):
+            try:
+                await link.send(bad, tensors, hold=True)
+            except ValueError as exc:
+                refused.append(str(exc))
+        await link.send(decision(4, HELD[4]), hold=True)  # rides with the SHUTDOWN
+        report("peer.result", steps=steps, refused=refused, held=link.held)
+        return
+    inbox, got = peer.inbox, {}
+    _, first = await inbox.get(Hidden)
+    got["with_hidden"] = inbox.pending(Decision)
+    await peer.send.send(Control(ControlKind.READY, rank=1))
+    await inbox.get(Control)
+    got["with_control"] = inbox.pending(Decision)
+    await peer.send.send(Control(ControlKind.READY, rank=1))
+    decisions = [(await inbox.get(Decision))[0] for _ in range(4)]
+    hiddens = [await inbox.get(Hidden) for _ in range(3)]
+    got["decisions"] = [d == decision(p, HELD[p]) for p, d in enumerate(decisions)]
+    want = [(hidden_states(p, HELD[p]),) if p != 2 else () for p in range(4)]
+    got["hiddens"] = [same(first, want[0])] + [
+        h.pass_id == p and same(t, want[p]) for p, (h, t) in enumerate(hiddens, start=1)
+    ]
+    last, _ = await inbox.get(Decision)
+    got["last"] = last == decision(4, HELD[4])
+    assert peer.recv is not None
+    got["closed"] = await peer.recv.close(timeout_s=10.0)
+    report("peer.result", **got)
+
+
 async def desync(peer: Peer) -> None:
     """Rank 0 announces tensors that rank 1 does not expect: rank 1 must fail
     loudly, not read the tensor as the next head."""
@@ -344,7 +404,7 @@ async def ticker(peer: Peer) -> None:
 
 SCENARIOS: dict[str, Callable[[Peer], Awaitable[None]]] = {
     f.__name__: f
-    for f in (fifo, dispatch, backpressure, kill, retention, ticker, announced, desync, sizes)
+    for f in (fifo, dispatch, backpressure, kill, retention, ticker, announced, held, desync, sizes)
 }
 
 

@@ -333,3 +333,20 @@ def test_a_reused_log_dir_is_read_as_its_last_run(copied):
 def test_a_dir_without_logs_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no rank"):
         replay(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_every_decision_travels_in_the_frame_of_its_passs_hidden(clean_run):
+    """Rank 0 and the middle rank send a pass as one frame: the Decision
+    rides ahead of the pass's Hidden (logged with no bytes of its own, right
+    before it), so a pass costs each link one head, not two."""
+    for rank in (0, 1):
+        sent = [e for e in events(clean_run / f"rank{rank}.jsonl") if e["event"] == "msg.sent"]
+        decisions = [i for i, e in enumerate(sent) if e["kind"] == "decision"]
+        assert len(decisions) > 20
+        for i in decisions:
+            p = sent[i]["pass_id"]
+            assert sent[i]["bytes"] == 0, sent[i]
+            rest = sent[i + 1 :]
+            frame = next(e for e in rest if e["bytes"] > 0)  # the frame it rode in
+            assert (frame["kind"], frame["pass_id"]) == ("hidden", p), (sent[i], frame)

@@ -229,3 +229,52 @@ def test_any_describable_frame_round_trips(shapes, dtype_index: int, pass_id: in
     assert msg == Hidden(pass_id)
     assert [(b.dtype, b.shape) for b in back] == [(t.dtype, t.shape) for t in tensors]
     assert all(torch.equal(b, t) for b, t in zip(back, tensors, strict=True))
+
+
+def receive_bundle(fr: codec.Frame) -> tuple[list[object], tuple[torch.Tensor, ...]]:
+    """`receive` for a frame that may be a bundle: its messages in order."""
+    head = codec.empty_head()
+    head.copy_(fr.head)
+    announced = codec.unpack_header(head)
+    rest = fr.buffers[1:]
+    if announced.overflow:
+        payload = memoryview(rest.pop(0).numpy())
+    else:
+        payload = codec.inline_payload(head, announced)
+    msgs = codec.decode_bundle(payload) if announced.bundle else [codec.decode(payload)]
+    tensors = tuple(spec.empty() for spec in announced.tensors)
+    for dst, src in zip(tensors, rest, strict=True):
+        dst.copy_(src)
+    return msgs, tensors
+
+
+def test_messages_sent_ahead_share_their_frame_and_its_tensors_are_the_last_ones() -> None:
+    ahead = [MESSAGES[0], Control(ControlKind.HEARTBEAT, seq=3)]
+    t = torch.arange(6.0).reshape(2, 3)
+    fr = codec.frame(Hidden(812), (t,), codec.PREPOSTED, ahead)
+    announced = codec.unpack_header(fr.head)
+    assert announced.bundle and announced.preposted and not announced.overflow
+    assert len(fr.buffers) == 2  # one head and the tensor: one gloo message for three
+    msgs, (back,) = receive_bundle(fr)
+    assert msgs == [*ahead, Hidden(812)] and torch.equal(back, t)
+    alone = codec.frame(Hidden(812), (t,))
+    assert not codec.unpack_header(alone.head).bundle
+
+
+def test_a_bundle_too_long_for_the_head_overflows_whole() -> None:
+    big = Decision(1, 0, [], [Entry(1, 0, list(range(3000)), list(range(3000)), True)], [])
+    fr = codec.frame(Control(ControlKind.HEARTBEAT, seq=1), (), 0, [big, big])
+    announced = codec.unpack_header(fr.head)
+    assert announced.bundle and announced.overflow
+    assert receive_bundle(fr)[0] == [big, big, Control(ControlKind.HEARTBEAT, seq=1)]
+
+
+def test_nothing_rides_after_the_final_message_and_bundles_are_arrays() -> None:
+    shutdown = Control(ControlKind.SHUTDOWN, rank=0)
+    assert codec.unpack_header(codec.frame(shutdown, (), 0, [MESSAGES[0]]).head).final
+    with pytest.raises(FrameError, match="final"):
+        codec.frame(Hidden(1), (), 0, [shutdown])
+    with pytest.raises(FrameError, match="array of ring messages"):
+        codec.decode_bundle(codec.encode(Hidden(1)))
+    with pytest.raises(FrameError, match="no message"):
+        codec.decode_bundle(msgspec.msgpack.encode([]))

@@ -19,11 +19,12 @@ import structlog
 import torch
 import uvloop
 
+from ringserve.ring import codec
 from ringserve.ring.errors import LinkError
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.messages import Control, ControlKind, Hidden, Output, Void
 from ringserve.ring.watchdog import Liveness, Owed, watched
-from tests.ring_peer import ANNOUNCED, SIZED_PASSES
+from tests.ring_peer import ANNOUNCED, HELD, SIZED_PASSES, WIDTH
 
 PEER = Path(__file__).with_name("ring_peer.py")
 ROOT = PEER.parent.parent
@@ -196,6 +197,27 @@ def test_announced_tensors_arrive_into_receives_posted_ahead(ring) -> None:
     assert len(refused) == 3
     assert "announced" in refused[0] and "announced" in refused[1]
     assert "out of turn" in refused[2]
+    assert peers.records(1, "link.failed") == [] and peers.records(0, "link.failed") == []
+
+
+@pytest.mark.timeout(60)
+def test_held_messages_ride_ahead_in_the_next_frame_posted(ring) -> None:
+    peers = ring("held", 2, {0: ["--expect"], 1: ["--expect", "--max-in-flight", "8"]})
+    assert peers.finish() == [0, 0], peers.diagnostics()
+    sent, got = peers.result(0), peers.result(1)
+    head, first = codec.HEAD_BYTES, HELD[0] * WIDTH * 4
+    steps = sent["steps"]
+    assert steps["held"] == [1, 0]  # nothing on the wire yet
+    assert steps["hidden"] == [0, head + first]  # one head for the decision and the Hidden
+    assert steps["control"] == [0, 2 * head + first]  # two decisions rode with the Control
+    held_alone, flushed = steps["flushed"]
+    assert held_alone == 0 and head < flushed < 2 * head + HELD[3] * 50  # one overflowed frame
+    assert len(sent["refused"]) == 3 and all("held message" in r for r in sent["refused"])
+    assert sent["held"] == 1  # the last decision waits for the shutdown
+    # delivered in send order: each decision before the message it rode with
+    assert (got["with_hidden"], got["with_control"]) == (1, 3)
+    assert got["decisions"] == [True] * 4 and got["hiddens"] == [True] * 4
+    assert got["last"] and got["closed"]  # its announced receive was filled at shutdown
     assert peers.records(1, "link.failed") == [] and peers.records(0, "link.failed") == []
 
 

@@ -194,7 +194,12 @@ class Conductor:
             )
         rows = self.stage.apply(decision)
         if self.ring is not None:
-            await self.ring.send.send(decision)
+            # The decision rides in the frame of the pass's own Hidden (a
+            # void one if the forward fails): one gloo message fewer a pass,
+            # whose thread wake-ups on both ranks cost a short pass more than
+            # rank 1 gains from having it early; rank 1 replays passes in
+            # order and takes this one only once it has passed the last on.
+            await self.ring.send.send(decision, hold=True)
             self._launched.set()
         masks = self._masks(decision)  # filled while rank 0's forward runs
         try:

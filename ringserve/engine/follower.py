@@ -98,7 +98,9 @@ class Follower:
         p = decision.pass_id
         rows, void = self._apply(decision)
         if not self.last:
-            await self.send.send(decision)
+            # on to the next rank in the frame of this pass's Hidden (see
+            # Conductor._launch): exactly one goes on whatever happens here
+            await self.send.send(decision, hold=True)
         upstream = Owed(p, Hidden, self.rank - 1)
         hidden, tensors = await watched(
             self.inbox.get(Hidden), upstream, self.wedge_timeout_s, self.health

@@ -15,7 +15,11 @@ A message travels on its link as a FRAME of gloo sends, in this order:
 
 Flag `FINAL` marks the last frame of a link, the one carrying
 `Control(SHUTDOWN)`; `PLACEHOLDER` marks preposted tensors that carry no
-data (a void `Hidden` fills the receives its decision announced).
+data (a void `Hidden` fills the receives its decision announced). Flag
+`BUNDLE` marks a frame whose payload is a msgpack array of messages: the
+ones sent ahead, which carry no tensors, then the frame's own message, to
+which the tensors and the other flags belong (a message held back to ride
+with the next one costs no gloo message of its own: see `SendLink.send`).
 
 The head has a fixed size so the receiver can always post it first, and
 most messages are that one gloo message: a small frame costs one round trip,
@@ -43,7 +47,8 @@ FINAL = 1
 OVERFLOW = 2
 PREPOSTED = 4
 PLACEHOLDER = 8
-_FLAGS = FINAL | OVERFLOW | PREPOSTED | PLACEHOLDER
+BUNDLE = 16
+_FLAGS = FINAL | OVERFLOW | PREPOSTED | PLACEHOLDER | BUNDLE
 _FIXED_FIELDS = 4
 _FIELDS_PER_TENSOR = 2 + MAX_DIMS
 HEADER_LEN = _FIXED_FIELDS + MAX_TENSORS * _FIELDS_PER_TENSOR
@@ -71,6 +76,7 @@ _DTYPES_BY_CODE: Mapping[int, torch.dtype] = types.MappingProxyType(
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
+_BUNDLE_DECODER = msgspec.msgpack.Decoder(list[Message])
 
 
 class FrameError(ValueError):
@@ -117,6 +123,10 @@ class FrameHeader:
     def placeholder(self) -> bool:
         return bool(self.flags & PLACEHOLDER)
 
+    @property
+    def bundle(self) -> bool:
+        return bool(self.flags & BUNDLE)
+
 
 @dataclass(frozen=True, slots=True)
 class Frame:
@@ -152,19 +162,44 @@ def decode(payload: bytes | bytearray | memoryview) -> Message:
         raise FrameError(f"payload is not a ring message: {exc}") from exc
 
 
-def frame(msg: Message, tensors: Sequence[torch.Tensor] = (), flags: int = 0) -> Frame:
-    """The frame of `msg` and its `tensors` (each made contiguous); `flags`
-    may add `PREPOSTED` and `PLACEHOLDER`, the rest follow from the message.
-    The caller must keep every buffer alive until its send has completed."""
+def decode_bundle(payload: bytes | bytearray | memoryview) -> list[Message]:
+    """The messages of a `BUNDLE` frame's payload, in the order they were
+    sent; FrameError if it is not a non-empty array of ring messages."""
+    try:
+        msgs = _BUNDLE_DECODER.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"payload is not an array of ring messages: {exc}") from exc
+    if not msgs:
+        raise FrameError("a bundle frame carries no message")
+    return msgs
+
+
+def frame(
+    msg: Message,
+    tensors: Sequence[torch.Tensor] = (),
+    flags: int = 0,
+    ahead: Sequence[Message] = (),
+) -> Frame:
+    """The frame of `msg` and its `tensors` (each made contiguous), with the
+    messages `ahead` (tensorless, none final) travelling before it in the
+    same payload; `flags` may add `PREPOSTED` and `PLACEHOLDER`, the rest
+    follow from the messages. The caller must keep every buffer alive until
+    its send has completed."""
     if flags & ~(PREPOSTED | PLACEHOLDER):
         raise ValueError(f"frame flags {flags:#x} are not the caller's to set")
     body = tuple(_checked(t) for t in tensors)
     if body and is_final(msg):
         raise FrameError("the final frame of a link carries no tensors")
+    if any(is_final(m) for m in ahead):
+        raise FrameError("nothing travels after the final message of a link")
     if len(body) > MAX_TENSORS:
         raise FrameError(f"a frame carries at most {MAX_TENSORS} tensors, got {len(body)}")
     raw = bytearray(HEAD_BYTES)
-    _ENCODER.encode_into(msg, raw, HEADER_BYTES)  # truncates raw to the payload's end
+    if ahead:
+        _ENCODER.encode_into([*ahead, msg], raw, HEADER_BYTES)  # truncates raw
+        flags |= BUNDLE
+    else:
+        _ENCODER.encode_into(msg, raw, HEADER_BYTES)  # truncates raw to the payload's end
     payload_len = len(raw) - HEADER_BYTES
     payload = None
     if payload_len > INLINE_BYTES:

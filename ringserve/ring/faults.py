@@ -193,12 +193,14 @@ class FaultySend:
     def __init__(self, link: SendLink, plan: FaultPlan) -> None:
         self.link, self.plan = link, plan
 
-    async def send(self, msg: Message, tensors: Sequence[torch.Tensor] = ()) -> None:
+    async def send(
+        self, msg: Message, tensors: Sequence[torch.Tensor] = (), *, hold: bool = False
+    ) -> None:
         pass_id = getattr(msg, "pass_id", None)
         if pass_id is not None and self.plan.should_drop(type(msg), pass_id):
             log.warning("fault.drop", rank=self.plan.rank, pass_id=pass_id, kind=type(msg).__name__)
             return
-        await self.link.send(msg, tensors)
+        await self.link.send(msg, tensors, hold=hold)
 
     def __getattr__(self, name: str):  # close, flush, in_flight, error, peer
         return getattr(self.link, name)

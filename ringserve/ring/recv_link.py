@@ -17,7 +17,7 @@ from ringserve.ring import codec
 from ringserve.ring.announce import Announcements, Expectation
 from ringserve.ring.errors import LinkError
 from ringserve.ring.link import Pending, call_on_loop, log_message, tensor_tag, wait_all
-from ringserve.ring.messages import Message
+from ringserve.ring.messages import Hidden, Message
 
 if TYPE_CHECKING:
     from ringserve.ring.inbox import Inbox
@@ -89,20 +89,31 @@ class RecvLink:
             spare, final = (t := codec.empty_head(), codec.head_view(t)), False
             self._posted = [self._post(head[0], self.tag)]
             while not final:
-                msg, tensors, final = self._receive_frame(head, spare)
+                received, final = self._receive_frame(head, spare)
                 head, spare = spare, head
-                if not call_on_loop(self._loop, self._inbox.put, msg, tensors):
+                delivered = (
+                    call_on_loop(self._loop, self._inbox.put, *received[0])
+                    if len(received) == 1
+                    else call_on_loop(self._loop, self._deliver, received)
+                )
+                if not delivered:
                     return
         except Exception as exc:  # gloo errors and bad frames alike end the link
             reason, failed = str(exc), True
         call_on_loop(self._loop, self._end, reason, failed)
 
+    def _deliver(self, received: list[tuple[Message, tuple[torch.Tensor, ...]]]) -> None:
+        """Loop thread: a bundle's messages into the inbox, in order."""
+        for msg, tensors in received:
+            self._inbox.put(msg, tensors)
+
     def _receive_frame(
         self, head_buf: tuple[torch.Tensor, memoryview], following: tuple[torch.Tensor, memoryview]
-    ) -> tuple[Message, tuple[torch.Tensor, ...], bool]:
+    ) -> tuple[list[tuple[Message, tuple[torch.Tensor, ...]]], bool]:
         """Finish the frame whose head receive is posted into `head_buf`, and
         post the next head into `following` (each a head and its view);
-        returns the message, its tensors, finality."""
+        returns the frame's messages with their tensors (a bundle's early
+        ones carry none), and finality."""
         self._posted[0].wait()
         view = head_buf[1]
         announced = codec.unpack_header(view)
@@ -116,9 +127,14 @@ class RecvLink:
         self._posted = posted + ([] if announced.final else [self._post(following[0], self.tag)])
         if announced.overflow:
             posted[0].wait()
-            msg = codec.decode(memoryview(parts[0].numpy()))
+            payload = memoryview(parts[0].numpy())
         else:
-            msg = codec.decode(codec.inline_payload(view, announced))
+            payload = codec.inline_payload(view, announced)
+        *early, msg = codec.decode_bundle(payload) if announced.bundle else [codec.decode(payload)]
+        for m in early:  # they were sent before msg: their announcements come first
+            if isinstance(m, Hidden) or codec.is_final(m):
+                raise codec.FrameError(f"a {type(m).__name__} rode ahead in a bundle")
+            self._expect_after(m)
         if codec.is_final(msg) != announced.final:
             raise codec.FrameError(f"a {type(msg).__name__} frame has final={announced.final}")
         tensors, placeholders = self._announced_tensors(msg, announced)
@@ -130,8 +146,10 @@ class RecvLink:
         if self._trace:
             # placeholders crossed the wire too: count them as the sender does
             nbytes = codec.HEAD_BYTES + placeholders + sum(t.nbytes for t in (*parts, *tensors))
+            for m in early:
+                log_message("msg.received", m, 0, self.peer)
             log_message("msg.received", msg, nbytes, self.peer)
-        return msg, tensors, announced.final
+        return [*((m, ()) for m in early), (msg, tensors)], announced.final
 
     def _announced_tensors(
         self, msg: Message, announced: codec.FrameHeader

@@ -20,7 +20,7 @@ from ringserve.ring import codec
 from ringserve.ring.announce import Announcements, Expectation
 from ringserve.ring.errors import LinkError
 from ringserve.ring.link import call_on_loop, log_message, tensor_tag, wait_works
-from ringserve.ring.messages import Control, ControlKind, Message
+from ringserve.ring.messages import Control, ControlKind, Hidden, Message
 
 if TYPE_CHECKING:
     from ringserve.ring.inbox import Inbox
@@ -78,6 +78,7 @@ class SendLink:
         self._settle_waiters: list[asyncio.Future[None]] = []
         self._error: LinkError | None = None
         self._shut = False
+        self._held: list[Message] = []  # to ride ahead in the next frame (see send)
         self.sent_bytes = 0  # frames handed to gloo, for /metrics
         self._queue: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._observe, name=f"ring-send-{peer}", daemon=True)
@@ -98,25 +99,53 @@ class SendLink:
         exit can abort the process: end it with `os._exit` instead."""
         return not self._thread.is_alive()
 
-    async def send(self, msg: Message, tensors: Sequence[torch.Tensor] = ()) -> None:
+    async def send(
+        self, msg: Message, tensors: Sequence[torch.Tensor] = (), *, hold: bool = False
+    ) -> None:
         """Post `msg` and its CPU `tensors` (at most `codec.MAX_TENSORS`) to the
         peer; returns once every part is handed to gloo, waiting first while
         `max_in_flight` messages are unobserved. Raises LinkError if the link
         has failed, FrameError for a message that cannot be framed or that
         breaks the contract of announced tensors (`ring/announce.py`). No
-        message may follow a `Control(SHUTDOWN)` on a link."""
+        message may follow a `Control(SHUTDOWN)` on a link.
+
+        `hold=True` keeps a tensorless message that is not a Hidden on this
+        end instead, at once and without a slot: it travels in the frame of
+        the next message posted, ahead of it, or with `flush` or `close`. A gloo message
+        costs both ranks thread wake-ups that a short pass cannot pay, so a
+        sender that knows another message follows soon (rank 0's Decision,
+        while an earlier pass's Hidden is still to go) holds it; the caller
+        owns the promise that one does."""
         if self._shut:
             raise RuntimeError(f"send on the link to rank {self.peer} after it was shut down")
         self._raise_if_failed()
+        if hold:
+            self._hold(msg, tensors)
+            return
+        await self._enqueue(msg, tensors)
+
+    async def _enqueue(self, msg: Message | None, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """`send`'s posting, the held messages riding ahead of `msg`; with
+        `msg` None, the newest held message is the frame's own (nothing is
+        posted if none is held by the time a slot is free)."""
         await self._acquire_slot()
         if self._shut:  # a SHUTDOWN went out while this send waited
             self._release()
             raise RuntimeError(f"send on the link to rank {self.peer} after it was shut down")
+        fresh = msg is not None  # a held message made its announcement then
+        if msg is None:
+            if not self._held:
+                self._release()
+                return
+            msg = self._held.pop()
         try:
-            fr, ahead = self._frame(msg, tensors)
+            fr, ahead = self._frame(msg, tensors, fresh=fresh)
         except BaseException:
+            if not fresh:
+                self._held.append(msg)
             self._release()  # nothing was posted: hand the slot back
             raise
+        riding, self._held = self._held, []
         self._shut = codec.is_final(msg)
         tag = self.tensor_tag if fr.flags & codec.PREPOSTED else self.tag
         parts = [(fr.head, self.tag)]
@@ -131,16 +160,41 @@ class SendLink:
         nbytes = sum(b.nbytes for b, _ in parts)
         self.sent_bytes += nbytes
         if self._trace:
+            for early in riding:  # the frame's bytes are its own message's
+                log_message("msg.sent", early, 0, self.peer)
             log_message("msg.sent", msg, nbytes, self.peer)
 
-    def _frame(
-        self, msg: Message, tensors: Sequence[torch.Tensor]
-    ) -> tuple[codec.Frame, list[torch.Tensor]]:
-        """The frame of `msg`, and the placeholders a final frame sends for
-        every Hidden still owed announced tensors. Updates the announcements
-        only once the frame is built, so a refused send changes nothing."""
-        owed = self._announcements.owed_to(msg)
+    def _hold(self, msg: Message, tensors: Sequence[torch.Tensor]) -> None:
+        if tensors or isinstance(msg, Hidden) or codec.is_final(msg):
+            raise ValueError(
+                f"a held message carries no tensors and is neither a Hidden nor the link's "
+                f"last; got a {type(msg).__name__} with {len(tensors)} tensors"
+            )
         announces = self._announcements.announced_by(msg)
+        if announces:  # in call order: a later send's frame may fill them
+            self._announcements.add(msg, announces, None)
+        self._held.append(msg)
+
+    @property
+    def held(self) -> int:
+        """Messages held to ride with the next one (see `send`)."""
+        return len(self._held)
+
+    async def _send_held(self) -> None:
+        """Post the held messages in a frame of their own."""
+        if self._held:
+            await self._enqueue(None)
+
+    def _frame(
+        self, msg: Message, tensors: Sequence[torch.Tensor], *, fresh: bool = True
+    ) -> tuple[codec.Frame, list[torch.Tensor]]:
+        """The frame of `msg` with the held messages ahead of it, and the
+        placeholders a final frame sends for every Hidden still owed
+        announced tensors. Updates the announcements only once the frame is
+        built, so a refused send changes nothing."""
+        owed = self._announcements.owed_to(msg)
+        announces = self._announcements.announced_by(msg) if fresh else ()
+        riding = self._held
         ahead: list[torch.Tensor] = []
         if owed is not None:
             if tensors and tuple(codec.TensorSpec.of(t) for t in tensors) != owed.specs:
@@ -149,20 +203,22 @@ class SendLink:
                     f"Hidden of pass {msg.pass_id} carries {got}, announced {list(owed.specs)}"  # type: ignore[union-attr]
                 )
             flags = codec.PREPOSTED if tensors else codec.PREPOSTED | codec.PLACEHOLDER
-            fr = codec.frame(msg, tensors or [s.empty() for s in owed.specs], flags)
+            fr = codec.frame(msg, tensors or [s.empty() for s in owed.specs], flags, riding)
             self._announcements.pop()
         elif codec.is_final(msg) and len(self._announcements):
-            fr = codec.frame(msg, tensors, codec.PREPOSTED | codec.PLACEHOLDER)
+            fr = codec.frame(msg, tensors, codec.PREPOSTED | codec.PLACEHOLDER, riding)
             ahead = [s.empty() for a in self._announcements.drain() for s in a.specs]
         else:
-            fr = codec.frame(msg, tensors)
+            fr = codec.frame(msg, tensors, 0, riding)
         if announces:
             self._announcements.add(msg, announces, None)
         return fr, ahead
 
     async def flush(self) -> None:
         """Wait until every posted message is observed complete; raises
-        LinkError if the link failed."""
+        LinkError if the link failed. Held messages are posted first."""
+        self._raise_if_failed()
+        await self._send_held()
         while True:
             self._raise_if_failed()
             with self._lock:
