@@ -38,6 +38,9 @@ class RequestHandle:
         # where a stop string ended the text: tokens after it (brought by the
         # same pass, a verification's) are not the request's output
         self.stop_at: int | None = None
+        # set once `result` waits: deltas are then no longer queued, and this
+        # wakes it when the request ends
+        self._awaited: asyncio.Future[None] | None = None
 
     @property
     def req_id(self) -> int:
@@ -68,8 +71,11 @@ class RequestHandle:
         top = self.req.top_logprobs[self.fed : end] if self.req.params.logprobs else None
         self.fed = end
         delta = Delta(text, new, lp, top, self.req.finish_reason if finished else None)
-        self.queue.put_nowait(delta)
         self.done = finished
+        if self._awaited is None:
+            self.queue.put_nowait(delta)
+        elif finished and not self._awaited.done():
+            self._awaited.set_result(None)
         return delta
 
     def advance(self, scheduler: Scheduler) -> Delta | None:
@@ -89,8 +95,13 @@ class RequestHandle:
                 return
 
     async def result(self) -> RequestOutput:
-        async for _ in self.deltas():
-            pass
+        """The request's output once it has ended. It waits for the end
+        alone: its caller is woken once, not once a token as a reader of
+        `deltas` is (a handle is read one way or the other)."""
+        if not self.done:
+            self._awaited = asyncio.get_running_loop().create_future()
+            self.queue = asyncio.Queue()  # what was queued is in the output too
+            await self._awaited
         return self.output()
 
     def output(self) -> RequestOutput:
