@@ -1,7 +1,9 @@
 """One-shot GPU check, for a machine with a CUDA device, in under ten minutes:
 
-1. the kernel test files run natively on CUDA (TRITON_INTERPRET=0 in the
-   child, so the kernels compile for the GPU rather than the interpreter);
+1. the kernel test files and the engine's GPU tests (`tests/test_gpu_*.py`:
+   greedy equality with transformers on CUDA, at pp 1 and pp 2) run
+   natively on CUDA (TRITON_INTERPRET=0 in the child, so the kernels compile
+   for the GPU rather than the interpreter);
 2. decode attention, Triton against the torch reference, at Llama-8B
    attention shapes (32 heads, 8 KV heads, head_dim 128, bfloat16);
 3. end-to-end forward throughput of random-weight Llama models at 1B-like and
@@ -80,19 +82,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+GPU_TESTS = ("test_kernels_*.py", "test_gpu_*.py")  # the kernels, then the engine on a GPU
+
+
 def kernel_test_command() -> tuple[list[str], dict[str, str]]:
-    """The native test run. conftest only sets TRITON_INTERPRET when it is
-    unset, so the child gets 0 explicitly: the kernels compile for CUDA and the
-    tests' kernel device becomes CUDA."""
+    """The native test run: every kernel test file and the engine's GPU
+    tests. conftest only sets TRITON_INTERPRET when it is unset, so the
+    child gets 0 explicitly: the kernels compile for CUDA and the tests'
+    kernel device becomes CUDA."""
     env = os.environ | {"TRITON_INTERPRET": "0"}
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernels_*.py"))
+    tests = ROOT / "tests"
+    files = sorted(str(p.relative_to(ROOT)) for g in GPU_TESTS for p in tests.glob(g))
     workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []  # compiles in parallel
     return [sys.executable, "-m", "pytest", "-q", "-rs", *workers, *files], env
 
 
 def run_kernel_tests(timeout: int) -> bool:
     cmd, env = kernel_test_command()
-    print(f"== kernel tests on CUDA: {' '.join(cmd[3:])}", flush=True)
+    print(f"== kernel and engine tests on CUDA: {' '.join(cmd[3:])}", flush=True)
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -14,7 +14,7 @@ planner's ledger: layers plus the head's share, in reference-layer times)
 against its measured forward time per pass and busy share (each rank's
 running totals, which heartbeats bring to rank 0). Usage:
     .venv/bin/python bench/pipeline.py [--requests 32] [--new-tokens 96] [--rounds 3]
-        [--pp 2] [--passes-in-flight 2,3] [--model DIR] [--dtype float32]
+        [--pp 2] [--passes-in-flight 2,3] [--model DIR] [--dtype float32] [--device auto]
 """
 
 from __future__ import annotations
@@ -70,7 +70,13 @@ def stage_report(llm: LLM, before: dict, after: dict, wall_s: float) -> list[str
 
 def solo(args: argparse.Namespace) -> None:
     """One single-rank engine, started at the same moment as a twin."""
-    llm = LLM(args.model, dtype=args.dtype, torch_threads=1, max_batch=args.max_batch)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        torch_threads=1,
+        max_batch=args.max_batch,
+        device=args.device,
+    )
     vocab = llm._ring.conductor.vocab_size
     tokens_per_s(llm, workload(4, vocab, -1), 8)
     print(tokens_per_s(llm, workload(args.requests, vocab, args.seed), args.new_tokens), flush=True)
@@ -80,7 +86,7 @@ def solo(args: argparse.Namespace) -> None:
 def ceiling(args: argparse.Namespace) -> float:
     cmd = [sys.executable, __file__, "--solo", "--requests", str(args.requests),
            "--new-tokens", str(args.new_tokens), "--dtype", args.dtype,
-           "--max-batch", str(args.max_batch)]  # fmt: skip
+           "--max-batch", str(args.max_batch), "--device", args.device]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
     twins = [
@@ -103,6 +109,7 @@ def main() -> None:
     )
     ap.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="auto", help="where the ranks run (default auto)")
     ap.add_argument(
         "--max-batch",
         type=int,
@@ -119,7 +126,7 @@ def main() -> None:
         solo(args)
         return
     both = ceiling(args)
-    common = dict(dtype=args.dtype, torch_threads=1, max_batch=args.max_batch)
+    common = dict(dtype=args.dtype, torch_threads=1, max_batch=args.max_batch, device=args.device)
     one = LLM(args.model, **common)
     depths = (
         [None]
@@ -152,7 +159,8 @@ def main() -> None:
     best1, n = max(pp1), args.pp
     print(
         f"{args.requests} requests x {args.new_tokens} new tokens, 16-token prompts, "
-        f"at most {args.max_batch} rows per pass, one thread per rank, {args.dtype}"
+        f"at most {args.max_batch} rows per pass, one thread per rank, {args.dtype}, "
+        f"device {one.config.device}"
     )
     print(f"  pp 1: {best1:8.1f} tok/s  (rounds: {', '.join(f'{x:.1f}' for x in pp1)})")
     for s, rates in ring_rates.items():

@@ -60,6 +60,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--min-kv-tokens", type=int, help="refuse a plan whose KV capacity is below this"
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], help=f"default {d['dtype']}")
+    p.add_argument(
+        "--device",
+        help="where the ranks run: auto (cuda where torch sees a GPU, else cpu), cpu, cuda "
+        "(rank r on GPU r %% GPUs), or one per rank, e.g. cuda:0,cuda:1,cuda:1 "
+        f"(default {d['device']})",
+    )
     p.add_argument("--max-model-len", type=int, help="default: the model's")
     p.add_argument(
         "--kv-capacity-tokens",
@@ -157,7 +163,7 @@ _PASSED_ON = (
     "max_batch", "passes_in_flight", "wedge_timeout_s", "heartbeat_s", "plan_for", "min_kv_tokens",
     "max_waiting_requests", "queue_timeout_s", "host_kv_tokens", "host_kv_mib",
     "structured_outputs_config", "speculative",
-    "num_speculative_tokens", "ngram_max", "ngram_min", "cpu_kernels",
+    "num_speculative_tokens", "ngram_max", "ngram_min", "cpu_kernels", "device",
 )  # fmt: skip
 
 

@@ -13,6 +13,39 @@ PLAN_FOR = ("capacity", "throughput", "balanced")  # what the planner optimises 
 KV_TOKENS_PER_WAITING = 16  # the default queue bound: one waiting request per this many KV slots
 SPECULATIVE_METHODS = ("ngram", "draft")  # who proposes speculative tokens (sched/speculation.py)
 CPU_KERNELS = ("native", "torch")  # how CPU decode passes attend (kernels/cpu_native.py)
+DEVICE_KINDS = ("auto", "cpu", "cuda")  # `device`'s words; or one device per rank, cpu,cuda:1
+
+
+def device_list(device: str) -> list[str]:
+    """`device` split into its per-rank entries, each checked: `cpu`,
+    `cuda` or `cuda:N`. One entry (`auto`, `cpu`, `cuda`) applies to every
+    rank."""
+    parts = [part.strip() for part in device.split(",")]
+    for part in parts:
+        kind, _, index = part.partition(":")
+        known = part in DEVICE_KINDS or (kind == "cuda" and index.isdigit())
+        if not known or (part == "auto" and len(parts) > 1):
+            raise ValueError(
+                f"device must be auto, cpu, cuda, or one per rank such as cuda:0,cuda:1 "
+                f"(cpu, cuda or cuda:N each), not {device!r}"
+            )
+    return parts
+
+
+def rank_device(device: str, rank: int, cuda_count: int) -> str:
+    """The one rule of where rank `rank` runs: `cuda` puts rank r on
+    `cuda:(r % cuda_count)` (ranks share a GPU when there are more ranks
+    than GPUs); `auto` is `cuda` where there is a GPU and `cpu` elsewhere; a
+    per-rank list names each rank's device."""
+    parts = device_list(device)
+    part = parts[0] if len(parts) == 1 else parts[rank]
+    if part == "auto":
+        part = "cuda" if cuda_count else "cpu"
+    if part == "cuda":
+        if cuda_count < 1:
+            raise ValueError("device cuda, but no CUDA device is visible")
+        return f"cuda:{rank % cuda_count}"
+    return part
 
 
 class UserError(ValueError):
@@ -61,7 +94,9 @@ class EngineConfig:
     max_batch: int = 64
     prefix_reuse: bool = True
     max_retries: int = 3
-    device: str = "cpu"
+    # "auto": cuda where a GPU is visible, else cpu; "cuda": rank r on cuda:(r % GPUs);
+    # or one device per rank, "cuda:0,cuda:0,cuda:1" (rank_device)
+    device: str = "auto"
     wedge_timeout_s: float = 30.0
     heartbeat_s: float = 1.0
     layer_split: tuple[int, ...] | None = field(default=None)
@@ -90,6 +125,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_speculative()
+        device_list(self.device)
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(
                 f"cpu_kernels must be one of {list(CPU_KERNELS)}, not {self.cpu_kernels!r}"

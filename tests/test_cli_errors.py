@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ringserve.models.builtin import builtin_model_dir
 
@@ -44,7 +45,20 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 ["plan", "--model", unknown_family(tmp_path), "--rank-memory-mib", "900"],
                 "unsupported model_type 'mamba'",
             ),
+            "unknown device": (
+                ["plan", "--device", "gpu", "--rank-memory-mib", "900"],
+                "device must be auto, cpu, cuda",
+            ),
+            "devices short of the ring": (
+                ["plan", "--pp", "2", "--device", "cpu,cpu,cpu"],
+                "3 devices given for 2 ranks",
+            ),
         }
+        if not torch.cuda.is_available():
+            cases["no GPU"] = (
+                ["launch", "--device", "cuda"],
+                "device 'cuda' asks for CUDA, but torch sees no GPU here",
+            )
         procs = {
             name: subprocess.Popen(
                 [sys.executable, "-m", "ringserve", *argv],

@@ -34,10 +34,11 @@ def test_gpu_check_refuses_to_run_without_cuda(gpu_check, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_gpu_check_runs_every_kernel_test_file_with_the_interpreter_off(gpu_check, monkeypatch):
+def test_gpu_check_runs_every_kernel_and_gpu_test_file_with_the_interpreter_off(gpu_check, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cmd, env = gpu_check.kernel_test_command()
     assert env["TRITON_INTERPRET"] == "0"
-    here = sorted(p.name for p in SCRIPT.parent.parent.joinpath("tests").glob("test_kernels_*.py"))
+    tests = SCRIPT.parent.parent.joinpath("tests")
+    here = sorted(p.name for g in ("test_kernels_*.py", "test_gpu_*.py") for p in tests.glob(g))
     assert sorted(Path(a).name for a in cmd if a.startswith("tests/")) == here
-    assert "test_kernels_attention.py" in here
+    assert {"test_kernels_attention.py", "test_gpu_engine.py"} <= set(here)

@@ -3,6 +3,8 @@ that touches tensors)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 import torch
 
@@ -79,6 +81,22 @@ class Runner:
         else:
             x = hidden.to(self.device)
         return self.model(x, batch, self.pool)
+
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """Makes this rank's GPU the calling thread's current device (Triton
+        launches on the current device, and a forward runs in an executor
+        thread that never chose one); nothing on the CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def to_wire(hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states as the ring carries them: in host memory, since
+        gloo sends CPU tensors only. Off a GPU the copy is made here, in the
+        forward thread, which waits for it, so the link never reads a
+        tensor the device is still writing."""
+        return hidden if hidden.device.type == "cpu" else hidden.to("cpu")
 
     @torch.inference_mode()
     def dry_run(self, tokens: int, rows: int) -> None:

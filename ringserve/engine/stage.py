@@ -13,6 +13,7 @@ import torch
 from ringserve import logs
 from ringserve.engine.replica import Replica, Row
 from ringserve.engine.runner import Runner
+from ringserve.kernels.batch import ForwardBatch
 from ringserve.ring.faults import FaultPlan
 from ringserve.ring.messages import Decision, Output
 
@@ -58,12 +59,8 @@ class Stage:
         cannot run here."""
         began = time.monotonic()
         try:
-            self.runner.move_kv(decision)
-            batch = self.runner.batch(decision, rows)
-            out = self.runner.forward(decision, batch, hidden)
-            if self.runner.last:
-                got = masks() if callable(masks) else masks
-                out = self.runner.sample(decision, rows, batch, out, got)
+            with self.runner.on_device():  # the forward thread's own current device
+                out, batch = self._run(decision, rows, hidden, masks)
         except (RuntimeError, ValueError, IndexError) as exc:
             raise PassFailed(f"{type(exc).__name__}: {exc}") from exc
         spent = time.monotonic() - began
@@ -77,6 +74,17 @@ class Stage:
             ms=round(spent * 1e3, 3),
         )
         return out
+
+    def _run(
+        self, decision: Decision, rows: list[Row], hidden: torch.Tensor | None, masks: MaskSource
+    ) -> tuple[torch.Tensor | Output, ForwardBatch]:
+        self.runner.move_kv(decision)
+        batch = self.runner.batch(decision, rows)
+        out = self.runner.forward(decision, batch, hidden)
+        if self.runner.last:
+            got = masks() if callable(masks) else masks
+            return self.runner.sample(decision, rows, batch, out, got), batch
+        return self.runner.to_wire(out), batch
 
 
 class FaultyStage(Stage):

@@ -14,7 +14,7 @@ from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.host_pool import HostPool
 from ringserve.cache.pool import KVPool
 from ringserve.cache.tiers import prefix_cache
-from ringserve.config import EngineConfig, resolve_dtype
+from ringserve.config import EngineConfig, rank_device, resolve_dtype
 from ringserve.engine.drafter import Drafter
 from ringserve.engine.grammar import mask_words
 from ringserve.engine.runner import Runner
@@ -41,7 +41,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int) -> Stage:
     """Load this rank's slice and size its pool with the ring's one capacity."""
     dtype = TORCH_DTYPES[resolve_dtype(config.dtype, cfg.torch_dtype)]
-    device = torch.device(config.device)
+    device = place_rank(config, rank)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     progress = LoadProgress(rank)
@@ -84,7 +84,7 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
             f"tokens, the served model {cfg.vocab_size}: they must share one tokenizer"
         )
     dtype = TORCH_DTYPES[resolve_dtype(config.dtype, draft_cfg.torch_dtype)]
-    device = torch.device(config.device)
+    device = place_rank(config, 0)
     layers = range(draft_cfg.num_layers)
     model = load_model(config.draft_model, draft_cfg, layers, dtype, device)
     pool = KVPool(
@@ -102,6 +102,17 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
     )
     check_draft(config.plan, drafter, config.max_tokens_per_pass, config.max_batch)
     return drafter
+
+
+def place_rank(config: EngineConfig, rank: int) -> torch.device:
+    """Where rank `rank` runs (`config.rank_device`, the planner's rule
+    too). On a GPU it is made the process's current device: Triton launches
+    its kernels on the current device, whatever the tensors' device."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torch.device(rank_device(config.device, rank, count))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def native_cpu(config: EngineConfig, device: torch.device) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from ringserve.config import PLAN_FOR
+from ringserve.config import PLAN_FOR, rank_device
 from ringserve.models.config import _DTYPE_BYTES, ModelConfig
 
 if TYPE_CHECKING:
@@ -114,26 +114,28 @@ def budgets_from_mib(rank_memory_mib: Sequence[int] | str) -> list[Figure]:
     return [Figure(int(mib) * MIB, "given") for mib in rank_memory_mib]
 
 
-def default_budgets(pp_size: int) -> list[Figure]:
-    """Measured budgets. CUDA: rank r runs on device r % device_count; its
-    budget is the device's free memory less a reserve (logged), shared equally
-    by the ranks on that device. CPU: 1/CPU_SHARE of MemAvailable, equally."""
+def default_budgets(pp_size: int, device: str = "auto") -> list[Figure]:
+    """Measured budgets, each rank's where it runs (`config.rank_device`):
+    a GPU's free memory less a reserve (logged), shared equally by the ranks
+    placed on that GPU; the CPU's 1/CPU_SHARE of MemAvailable, shared
+    equally by the ranks on the CPU. `auto`: every rank on the GPUs when
+    torch sees one, else on the CPU."""
     import torch
 
-    if not torch.cuda.is_available():
-        available = _mem_available()
-        budget = available // CPU_SHARE // pp_size
-        log.debug("plan.budget", device="cpu", available=available, share=budget, ranks=pp_size)
-        return [Figure(budget, "measured")] * pp_size
-    count = torch.cuda.device_count()
-    sharing = Counter(r % count for r in range(pp_size))
-    per_device = {}
-    for device, ranks in sorted(sharing.items()):
-        free, whole = torch.cuda.mem_get_info(device)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    places = [rank_device(device, r, count) for r in range(pp_size)]
+    per_place = {}
+    for place, ranks in sorted(Counter(places).items()):
+        if place == "cpu":
+            available = _mem_available()
+            per_place[place] = available // CPU_SHARE // ranks
+            log.debug("plan.budget", device=place, available=available, ranks=ranks)
+            continue
+        free, whole = torch.cuda.mem_get_info(torch.device(place))
         reserve = max(CUDA_RESERVE_MIN, whole // CUDA_RESERVE_FRACTION)
-        per_device[device] = max(0, free - reserve) // ranks
-        log.debug("plan.budget", device=f"cuda:{device}", free=free, reserve=reserve, ranks=ranks)
-    return [Figure(per_device[r % count], "measured") for r in range(pp_size)]
+        per_place[place] = max(0, free - reserve) // ranks
+        log.debug("plan.budget", device=place, free=free, reserve=reserve, ranks=ranks)
+    return [Figure(per_place[place], "measured") for place in places]
 
 
 def _mem_available() -> int:

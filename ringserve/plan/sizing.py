@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import structlog
 
-from ringserve.config import EngineConfig, resolve_dtype
+from ringserve.config import EngineConfig, device_list, resolve_dtype
 from ringserve.models.config import ModelConfig
 from ringserve.plan.host import solve_host, with_host
 from ringserve.plan.solve import Objective, Plan, plan
@@ -25,7 +25,9 @@ def size_ring(
     `kv_capacity_tokens`, so a roomy machine does not reserve more KV than
     the server is configured for. The split trades capacity for a faster
     slowest stage as `plan_for` says, with `rank_speed` the planned speeds.
-    A given split is used as it is."""
+    A given split is used as it is. The device is resolved here, once, for
+    every rank (`resolve_device`)."""
+    config = replace(config, device=resolve_device(config.device, pp_size))
     cfg = ModelConfig.from_dir(config.model_dir)
     if config.layer_split is not None:
         if rank_memory_mib is not None:
@@ -49,6 +51,7 @@ def size_ring(
         max_capacity_tokens=cap,
         objective=Objective(config.plan_for, config.rank_speed, config.min_kv_tokens),
         draft_model=config.draft_model if config.speculative == "draft" else None,
+        device=config.device,
     )
     split = tuple(solved.layer_split)
     host_tokens, host = solve_host(replace(config, layer_split=split), cfg, solved_dtype)
@@ -62,6 +65,28 @@ def size_ring(
         plan=solved.to_dict(),
     )
     return sized, solved
+
+
+def resolve_device(device: str, pp_size: int) -> str:
+    """`device` as every rank is started with it: `auto` becomes `cuda`
+    where torch sees a GPU and `cpu` elsewhere; a per-rank list must name
+    one device per rank; a CUDA device that is not there is refused here,
+    before any rank starts."""
+    import torch
+
+    parts = device_list(device)
+    if len(parts) > 1 and len(parts) != pp_size:
+        raise ValueError(f"{len(parts)} devices given for {pp_size} ranks: give one per rank")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        return "cuda" if count else "cpu"
+    for part in parts:
+        if part.startswith("cuda") and count == 0:
+            raise ValueError(f"device {device!r} asks for CUDA, but torch sees no GPU here")
+        index = part.partition(":")[2]
+        if index and int(index) >= count:
+            raise ValueError(f"device {part} is not there: torch sees {count} GPU(s)")
+    return device
 
 
 def check_split(split: tuple[int, ...] | list[int], pp_size: int, num_layers: int) -> None:

@@ -146,19 +146,22 @@ def plan(
     max_capacity_tokens: int | None = None,
     objective: Objective | None = None,
     draft_model: str | Path | None = None,
+    device: str = "auto",
 ) -> Plan:
     """Plan a model (a ModelConfig, or a model directory whose safetensors
     headers give the weight bytes) over pp_size ranks. The pool must hold at
     least one largest pass plus the padding slot 0. `draft_model`: the
     directory of the draft model rank 0 runs (`--speculative draft`),
-    charged to rank 0 (plan/draft.py)."""
+    charged to rank 0 (plan/draft.py). `device`: where the ranks run
+    (`EngineConfig.device`), which measures their budgets when none are
+    given."""
     if isinstance(model, ModelConfig):
         cfg, weights = model, model_bytes_from_config(model, dtype)
     else:
         cfg = ModelConfig.from_dir(model)
         weights = model_bytes_from_dir(model, cfg, dtype)
     if rank_memory_mib is None:
-        budgets = default_budgets(pp_size)
+        budgets = default_budgets(pp_size, device)
     else:
         budgets = budgets_from_mib(rank_memory_mib)
     if len(budgets) != pp_size:
