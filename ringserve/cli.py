@@ -152,6 +152,11 @@ def _speculative_args(p: argparse.ArgumentParser, d: dict[str, object]) -> None:
         "norms where it cannot build)",
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run decode passes op by op instead of replaying CUDA graphs",
+    )
+    p.add_argument(
         "--no-adaptive-speculation",
         action="store_true",
         help="propose num-speculative-tokens always, whatever the acceptance",
@@ -205,6 +210,8 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         given["draft_model"] = Path(args.draft_model)
     if args.no_adaptive_speculation:
         given["speculative_adaptive"] = False
+    if args.enforce_eager:
+        given["enforce_eager"] = True
     if args.speculative_config:
         given.update(_speculative_config(args.speculative_config))
     return EngineConfig(

@@ -122,6 +122,9 @@ class EngineConfig:
     # norms, rope and SwiGLU in one pass (kernels/cpu_native.py) where it builds, and packs
     # bfloat16 matmul weights (kernels/packed_linear.py); "torch" runs torch's ops throughout
     cpu_kernels: str = "native"
+    # on a GPU, passes whose every row decodes one token replay CUDA graphs
+    # (models/decode_graphs.py); True runs every pass op by op
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self._check_speculative()

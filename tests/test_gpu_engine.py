@@ -36,16 +36,20 @@ def family(request, tmp_path_factory):
     return path, prompts, expected
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("pp_size", [1, 2])
-def test_greedy_on_the_gpu_equals_transformers(family, pp_size):
+def test_greedy_on_the_gpu_equals_transformers(family, pp_size, eager):
     path, prompts, expected = family
     before = torch.cuda.memory_allocated()
-    with LLM(path, pp_size=pp_size, device="cuda", **ENGINE_OPTIONS) as llm:
+    with LLM(path, pp_size=pp_size, device="cuda", enforce_eager=eager, **ENGINE_OPTIONS) as llm:
         assert llm.config.device == "cuda"
         # rank 0 runs in this process: its weights and KV pool are on the GPU
         assert torch.cuda.memory_allocated() > before
         first = llm.generate(prompts, GREEDY)
         again = llm.generate(prompts, GREEDY)  # the prefixes now come from the cache
+        graphs = llm._ring.conductor.stage.runner.graphs
+        # decode passes replayed rank 0's graphs, unless told to run eagerly
+        assert (graphs is None) if eager else graphs.replays > 0
     assert [o.token_ids for o in first] == expected
     assert [o.token_ids for o in again] == expected
     assert all(o.cached_tokens >= len(o.prompt_token_ids) - 1 for o in again)

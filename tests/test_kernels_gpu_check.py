@@ -34,7 +34,9 @@ def test_gpu_check_refuses_to_run_without_cuda(gpu_check, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_gpu_check_runs_every_kernel_and_gpu_test_file_with_the_interpreter_off(gpu_check, monkeypatch):
+def test_gpu_check_runs_every_kernel_and_gpu_test_file_with_the_interpreter_off(
+    gpu_check, monkeypatch
+):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cmd, env = gpu_check.kernel_test_command()
     assert env["TRITON_INTERPRET"] == "0"

@@ -16,6 +16,7 @@ from ringserve.engine.sampler import Sampler
 from ringserve.engine.verify import Verification, Verifier
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.cpu_native import CpuKernels
+from ringserve.models.decode_graphs import DecodeGraphs
 from ringserve.ring.messages import Decision, Output
 
 
@@ -33,8 +34,10 @@ class Runner:
         host: HostPool | None = None,
         native: CpuKernels | None = None,
         gather_limit: int | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs  # decode passes replayed as CUDA graphs, where the rank has them
         self.native = native
         self.gather_limit = gather_limit  # see ForwardBatch.gather_limit
         self.pool = pool
@@ -48,9 +51,12 @@ class Runner:
 
     def batch(self, decision: Decision, rows: list[Row]) -> ForwardBatch:
         entries = decision.entries
+        sizes = [len(e.tokens) for e in entries]
+        if self.graphs is not None and self.graphs.takes(sizes, [len(r.slots) for r in rows]):
+            return self.graphs.batch([r.slots for r in rows], [e.sample for e in entries])
         return ForwardBatch.build(
             [r.slots for r in rows],
-            [len(e.tokens) for e in entries],
+            sizes,
             [e.sample for e in entries],
             self.device,
             self.native,
@@ -73,6 +79,9 @@ class Runner:
     ) -> torch.Tensor:
         """Hidden states after this rank's layers. `hidden` is the upstream
         rank's output, or None on the first stage."""
+        if self.graphs is not None and self.graphs.owns(batch):
+            ids = [e.tokens[0] for e in decision.entries] if self.first else None
+            return self.graphs.forward(ids, hidden)
         if self.first:
             ids = [t for e in decision.entries for t in e.tokens]
             x = torch.tensor(ids, dtype=torch.int64, device=self.device)

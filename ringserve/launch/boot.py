@@ -22,6 +22,7 @@ from ringserve.engine.stage import FaultyStage, Stage
 from ringserve.kernels.cpu_native import CpuKernels
 from ringserve.launch.progress import LoadProgress
 from ringserve.models.config import ModelConfig
+from ringserve.models.decode_graphs import DecodeGraphs
 from ringserve.models.loader import load_model
 from ringserve.models.slice import ModelSlice
 from ringserve.models.tokenizer import Tokenizer
@@ -57,6 +58,11 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
         log.info("host_pool.allocated", rank=rank, tokens=config.host_kv_tokens, bytes=host.nbytes)
     native = cpu_kernels(config, device)
     pack_weights(model, config, device)
+    graphs = None
+    if device.type == "cuda" and not config.enforce_eager:
+        graphs = DecodeGraphs(
+            model, pool, device, first=layers.start == 0, max_rows=config.max_batch
+        )
     runner = Runner(
         model,
         pool,
@@ -66,6 +72,7 @@ def build_stage(config: EngineConfig, cfg: ModelConfig, layers: range, rank: int
         host=host,
         native=native,
         gather_limit=config.max_tokens_per_pass,
+        graphs=graphs,
     )
     check_allocation(config.plan, rank, runner, config.max_tokens_per_pass, config.max_batch)
     faults = FaultPlan.from_env(rank)
