@@ -156,6 +156,6 @@ class Verifier:
         p[proposal] = 0.0
         if not float(p.sum()) > 0:
             return proposal  # the target put all its mass on it: never rejected in exact arithmetic
-        u = Sampler.noise(v.spec, v.position + j, p.shape[-1]).to(p.device)
+        u = Sampler.noise(v.spec, v.position + j, p.shape[-1], p.device)
         race = p / -torch.log(u.clamp(min=NOISE_MIN, max=NOISE_MAX))
         return int(race.argmax())
