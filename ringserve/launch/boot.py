@@ -148,7 +148,7 @@ def report_loaded(stage: Stage) -> None:
     mib = runner.pool.nbytes / 2**20
     print(
         f"ringserve: rank {stage.rank} loaded layers {runner.layers.start}-{runner.layers.stop - 1}, "
-        f"KV pool of {runner.pool.capacity} tokens ({mib:.1f} MiB)",
+        f"KV pool of {runner.pool.capacity} tokens ({mib:.1f} MiB), on {runner.device}",
         file=sys.stderr,
         flush=True,
     )
