@@ -18,6 +18,7 @@ import torch
 from ringserve.cache.allocator import OutOfSlots, SlotAllocator
 from ringserve.cache.pool import KVPool
 from ringserve.engine.runner import dry_run_slots
+from ringserve.kernels import ops
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.cpu_native import CpuKernels
 
@@ -47,10 +48,14 @@ class Drafter:
         for req_id in [r for r in self.rows if r not in live]:
             self.allocator.free(self.rows.pop(req_id))
 
-    @torch.inference_mode()
     def propose(self, asks: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """For each (req_id, history, k >= 1): k tokens the draft model
         writes after the history. A request the pool cannot hold gets none."""
+        with ops.device_scope(self.device):
+            return self._propose(asks)
+
+    @torch.inference_mode()
+    def _propose(self, asks: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         taken: list[tuple[int, list[int], int, int]] = []  # req_id, history, k, start
         for req_id, history, k in asks:
             row = self.rows.setdefault(req_id, [])

@@ -14,6 +14,7 @@ from ringserve.engine.prompt_logprobs import prompt_logprobs
 from ringserve.engine.replica import Row
 from ringserve.engine.sampler import Sampler
 from ringserve.engine.verify import Verification, Verifier
+from ringserve.kernels import ops
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.cpu_native import CpuKernels
 from ringserve.models.decode_graphs import DecodeGraphs
@@ -92,12 +93,8 @@ class Runner:
         return self.model(x, batch, self.pool)
 
     def on_device(self) -> contextlib.AbstractContextManager:
-        """Makes this rank's GPU the calling thread's current device (Triton
-        launches on the current device, and a forward runs in an executor
-        thread that never chose one); nothing on the CPU."""
-        if self.device.type == "cuda":
-            return torch.cuda.device(self.device)
-        return contextlib.nullcontext()
+        """This rank's GPU as the calling thread's current device (`ops.device_scope`)."""
+        return ops.device_scope(self.device)
 
     @staticmethod
     def to_wire(hidden: torch.Tensor) -> torch.Tensor:

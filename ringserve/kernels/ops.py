@@ -5,6 +5,8 @@ wrappers on CPU tensors (under TRITON_INTERPRET=1) by calling them directly."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,16 @@ from ringserve.kernels.sample_reference import sample_reference
 def uses_triton(device: torch.device) -> bool:
     """The switch: tensors on `device` go to the Triton kernels."""
     return device.type == "cuda"
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes `device` the calling thread's current GPU for a block: Triton
+    launches on the current device, whatever its tensors' device, and a
+    forward runs in an executor thread that never chose one. Nothing
+    elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def store_kv(
