@@ -100,3 +100,31 @@ def test_only_decode_passes_that_fit_take_the_static_path(model_dir):
     assert not graphs.takes([1], [CAPACITY + 1])  # wider than the pool
     with pytest.raises(RuntimeError, match="after its batch was written"):
         graphs.forward([1], None)
+
+
+def test_a_wider_pass_than_any_before_grows_the_buffers_and_still_computes_the_same(model_dir):
+    """The index buffers hold the widest context seen so far: a first pass
+    of one short context sizes them for 256 tokens, the next, with a
+    300-token context, grows them (on a GPU, dropping the graphs that read
+    the old ones)."""
+    slots = random.Random(1).sample(range(1, CAPACITY), 320)
+    short, long = slots[:20], slots[20:]
+    cfg = ModelConfig.from_dir(model_dir)
+    layers = range(cfg.num_layers)
+    _, model, pool = prefilled(model_dir, layers, [short[:-1], long])
+    twin = KVPool(len(layers), CAPACITY, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    for j in range(len(layers)):
+        twin.k[j].copy_(pool.k[j])
+        twin.v[j].copy_(pool.v[j])
+    graphs = DecodeGraphs(model, twin, torch.device("cpu"), first=True, max_rows=4)
+    widths = []
+    with torch.inference_mode():
+        for step in ([short[:-1]], [short, long]):
+            ids = [5, 7][: len(step)]
+            built = ForwardBatch.build(step, [1] * len(step), [True] * len(step))
+            expected = model(torch.tensor(ids), built, pool)
+            graphs.batch(step, [True] * len(step))
+            widths.append(graphs._width)
+            got = graphs.forward(ids, None)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert widths == [256, 512]

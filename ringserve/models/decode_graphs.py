@@ -65,21 +65,13 @@ class DecodeGraphs:
         self.captures = device.type == "cuda"
         self.max_rows = max(1, min(max_rows, ROW_BUCKETS[-1]))
         self.max_width = pool.capacity
-        rows, width = self.max_rows, self.max_width
-        # positions | out_slots | seq_lens | token ids | context slots [rows, width]
-        self._size = 4 * rows + rows * width
-        self._host = torch.zeros(self._size, dtype=torch.int64, pin_memory=self.captures)
-        self._dev = torch.zeros(self._size, dtype=torch.int64, device=device)
-        self._host_np = self._host.numpy()
+        rows = self.max_rows
         dtype = next(model.parameters()).dtype
         self._hidden = torch.zeros(rows, model.cfg.hidden_size, dtype=dtype, device=device)
         self._ones = torch.ones(rows, dtype=torch.int64, device=device)
         self._arange = torch.arange(rows + 1, dtype=torch.int64, device=device)
         self._true = torch.ones(rows, 1, dtype=torch.bool, device=device)
-        self._arange_width = torch.arange(width, dtype=torch.int64, device=device)
-        # the pass's batch carries a mask of every key for its shape: what runs
-        # is `_step`'s batch, whose mask is made from the context lengths
-        self._mask = torch.ones(rows, 1, 1, width, dtype=torch.bool, device=device)
+        self._width = 0  # the widest context the index buffers hold (`_reserve`)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.captures else None
         self._current: tuple[ForwardBatch, int, int] | None = None
@@ -100,6 +92,7 @@ class DecodeGraphs:
         n = len(slots)
         rows = row_bucket(n, self.max_rows)
         width = width_bucket(max(map(len, slots)), self.max_width)
+        self._reserve(width)
         host, r = self._host_np, self.max_rows
         lens = np.fromiter(map(len, slots), dtype=np.int64, count=n)
         host[0:n] = lens - 1  # positions
@@ -113,25 +106,51 @@ class DecodeGraphs:
         ctx[n:rows, 0] = 0
         used = 4 * r + rows * width
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
-        dev = self._dev
         picked = [b for b, s in enumerate(sample) if s]
-        batch = ForwardBatch(
+        batch = self._views(rows, width, n, self._sample_rows(picked, n))
+        self._current = (batch, rows, width)
+        return batch
+
+    def _reserve(self, width: int) -> None:
+        """Index buffers for contexts up to `width` tokens (a bucket): grown
+        when a wider pass first comes, not sized for the whole pool up front
+        (64 rows of a million-slot pool would be 512 MiB twice). Growing
+        drops every graph, which read the old buffers."""
+        if width <= self._width:
+            return
+        r = self.max_rows
+        # positions | out_slots | seq_lens | token ids | context slots [rows, width]
+        size = 4 * r + r * width
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=self.captures)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self._arange_width = torch.arange(width, dtype=torch.int64, device=self.device)
+        if self._graphs:
+            log.debug("decode_graph.regrown", width=width, dropped=len(self._graphs))
+        self._graphs.clear()
+        self._width = width
+
+    def _views(self, rows: int, width: int, n: int, sample_rows: torch.Tensor) -> ForwardBatch:
+        """The first `n` of a bucket's `rows` as a batch over the static
+        buffers, its attention mask made from the rows' context lengths."""
+        dev, r = self._dev, self.max_rows
+        seq_lens = dev[2 * r : 2 * r + n]
+        mask = self._arange_width[:width][None, :] < seq_lens[:, None]
+        return ForwardBatch(
             positions=dev[0:n],
             out_slots=dev[r : r + n],
             req_slots=dev[4 * r : 4 * r + rows * width].view(rows, width)[:n],
-            seq_lens=dev[2 * r : 2 * r + n],
+            seq_lens=seq_lens,
             extend_lens=self._ones[:n],
             qo_indptr=self._arange[: n + 1],
             q_index=self._arange[:n, None],
             q_valid=self._true[:n],
             valid_rows=self._arange[:n],
-            attn_mask=self._mask[:n, :, :, :width],
-            sample_rows=self._sample_rows(picked, n),
+            attn_mask=mask[:, None, None, :],
+            sample_rows=sample_rows,
             max_extend=1,
             num_tokens=n,
         )
-        self._current = (batch, rows, width)
-        return batch
 
     def _sample_rows(self, picked: list[int], n: int) -> torch.Tensor:
         if len(picked) == n:  # a decode pass samples every row, as a rule
@@ -170,24 +189,8 @@ class DecodeGraphs:
         """The slice's forward over the static buffers at this bucket: what
         a graph captures (the attention mask is computed here, inside it, from
         the rows' context lengths)."""
+        batch = self._views(rows, width, rows, self._arange[:rows])
         dev, r = self._dev, self.max_rows
-        seq_lens = dev[2 * r : 2 * r + rows]
-        mask = self._arange_width[:width][None, :] < seq_lens[:, None]
-        batch = ForwardBatch(
-            positions=dev[0:rows],
-            out_slots=dev[r : r + rows],
-            req_slots=dev[4 * r : 4 * r + rows * width].view(rows, width),
-            seq_lens=seq_lens,
-            extend_lens=self._ones[:rows],
-            qo_indptr=self._arange[: rows + 1],
-            q_index=self._arange[:rows, None],
-            q_valid=self._true[:rows],
-            valid_rows=self._arange[:rows],
-            attn_mask=mask[:, None, None, :],
-            sample_rows=self._arange[:rows],
-            max_extend=1,
-            num_tokens=rows,
-        )
         x = dev[3 * r : 3 * r + rows] if self.first else self._hidden[:rows]
         return self.model(x, batch, self.pool)
 
