@@ -297,3 +297,17 @@ def _perturb_norms_and_biases(model: torch.nn.Module) -> None:
             param.copy_(1.0 + 0.2 * torch.randn_like(param))
         elif name.endswith(".bias"):
             param.copy_(0.2 * torch.randn_like(param))
+
+
+def _llama3_scaled(tmp: Path) -> Path:
+    return llama_gqa(tmp, rope_scaling=True)
+
+
+# every family the engine serves, as the equality tests build them
+FAMILIES = {
+    "llama_gqa": llama_gqa,
+    "llama3_rope_scaling": _llama3_scaled,
+    "qwen2_tied": qwen2_tied,
+    "qwen3_qknorm": qwen3_qknorm,
+    "bigcode_mqa": bigcode_mqa,
+}

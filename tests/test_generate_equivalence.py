@@ -5,30 +5,18 @@ a chunked prompt, with prefix reuse on."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from ringserve import LLM, SamplingParams
 from tests import model_factory
-from tests.workloads import ENGINE_OPTIONS, NEW_TOKENS, hf_greedy, reference_prompts
+from tests.workloads import ENGINE_OPTIONS, NEW_TOKENS, greedy_case
 
-FAMILIES = {
-    "llama_gqa": model_factory.llama_gqa,
-    "llama3_rope_scaling": lambda tmp: model_factory.llama_gqa(tmp, rope_scaling=True),
-    "qwen2_tied": model_factory.qwen2_tied,
-    "qwen3_qknorm": model_factory.qwen3_qknorm,
-    "bigcode_mqa": model_factory.bigcode_mqa,
-}
+FAMILIES = model_factory.FAMILIES
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    path = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    prompts = reference_prompts(hf.config.vocab_size)
-    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    return path, prompts, expected
+    return greedy_case(FAMILIES[request.param](tmp_path_factory.mktemp(request.param)))
 
 
 def test_greedy_equals_transformers_with_prefix_reuse_and_chunking(family):

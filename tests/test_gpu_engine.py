@@ -8,32 +8,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from ringserve import LLM, SamplingParams
 from tests import model_factory
-from tests.workloads import ENGINE_OPTIONS, NEW_TOKENS, hf_greedy, reference_prompts
+from tests.workloads import ENGINE_OPTIONS, NEW_TOKENS, greedy_case, reference_prompts
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.timeout(600),
 ]
 
-FAMILIES = {
-    "llama_gqa": model_factory.llama_gqa,
-    "qwen3_qknorm": model_factory.qwen3_qknorm,
-    "bigcode_mqa": model_factory.bigcode_mqa,
-}
+FAMILIES = {k: model_factory.FAMILIES[k] for k in ("llama_gqa", "qwen3_qknorm", "bigcode_mqa")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    path = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    prompts = reference_prompts(hf.config.vocab_size)
-    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    return path, prompts, expected
+    return greedy_case(FAMILIES[request.param](tmp_path_factory.mktemp(request.param)))
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])

@@ -5,6 +5,7 @@ chunked, with the engine options that force chunking and prefix reuse."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch
 
@@ -29,3 +30,13 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
     return ids[len(prompt) :]
+
+
+def greedy_case(path: Path) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """A saved model, the reference prompts and transformers' greedy
+    continuations of them in float32: what the equality tests compare with."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    prompts = reference_prompts(hf.config.vocab_size)
+    return path, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
