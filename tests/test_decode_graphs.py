@@ -96,6 +96,7 @@ def test_only_decode_passes_that_fit_take_the_static_path(model_dir):
     graphs = DecodeGraphs(model, pool, torch.device("cpu"), first=True, max_rows=4)
     assert graphs.takes([1] * 4, [10] * 4)
     assert not graphs.takes([1, 2], [10, 10])  # a prefill chunk
+    assert not graphs.takes([], [])  # nothing to decode
     assert not graphs.takes([1] * 5, [10] * 5)  # more rows than the largest bucket
     assert not graphs.takes([1], [CAPACITY + 1])  # wider than the pool
     with pytest.raises(RuntimeError, match="after its batch was written"):

@@ -80,7 +80,8 @@ class DecodeGraphs:
     def takes(self, sizes: list[int], widths: list[int]) -> bool:
         """Whether a pass of these new-token counts and context lengths replays a graph."""
         return (
-            all(n == 1 for n in sizes)
+            bool(sizes)
+            and all(n == 1 for n in sizes)
             and row_bucket(len(sizes), self.max_rows) is not None
             and width_bucket(max(widths), self.max_width) is not None
         )
