@@ -7,7 +7,8 @@
 2. decode attention, Triton against the torch reference, at Llama-8B
    attention shapes (32 heads, 8 KV heads, head_dim 128, bfloat16);
 3. end-to-end forward throughput of random-weight Llama models at 1B-like and
-   8B-like shapes, Triton path against torch path (skipped, with the reason,
+   8B-like shapes, Triton path against torch path, and decode passes replayed
+   as CUDA graphs (`graph_ms`) (skipped, with the reason,
    when ringserve.models cannot build one).
 
 The torch path on CUDA is reached by patching `ops.uses_triton`, the one
@@ -217,8 +218,27 @@ def bench_model(name: str, layers: int, quick: bool) -> list[dict]:
             row[f"{which}_ms"] = ms
             row[f"{which}_tok_s"] = batch.num_tokens / ms * 1e3
         row["speedup"] = row["torch_ms"] / row["triton_ms"]
+        row["graph_ms"] = float("nan")  # prefill passes run eagerly
+        if kind == "decode":
+            row["graph_ms"] = time_graph(model, pool, rows, ids, 3 if quick else 8)
         results.append(row)
     return results
+
+
+def time_graph(model, pool, rows: list[list[int]], ids: torch.Tensor, iters: int) -> float:
+    """Milliseconds of a decode pass replayed as a CUDA graph, its batch
+    written into the static buffers each time, plus its logits."""
+    from ringserve.models.decode_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(model, pool, torch.device("cuda"), first=True, max_rows=len(rows))
+    id_list, sample = ids.tolist(), [True] * len(rows)
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            batch = graphs.batch(rows, sample)
+            return model.logits(graphs.forward(id_list, None)[batch.sample_rows])
+
+    return cuda_ms(step, 2, iters)
 
 
 def time_forward(model, pool, batch: ForwardBatch, ids: torch.Tensor, which: str, iters: int):
