@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from ringserve.kernels.batch import ForwardBatch
+from ringserve.kernels.batch import ForwardBatch, packed_copy
 
 FIELDS = [f for f in ForwardBatch.__slots__]
 
@@ -33,3 +33,35 @@ def test_decode_batch_equals_the_general_build() -> None:
                 assert a.dtype == b.dtype and torch.equal(a, b), name
             else:
                 assert a == b, name
+
+
+def test_a_packed_copy_gives_every_tensor_back_as_it_was() -> None:
+    tensors = {
+        "a": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "mask": torch.tensor([[True, False], [False, True]])[:, None],  # a view of a bool tensor
+        "empty": torch.zeros(0, dtype=torch.int64),
+        "b": torch.arange(10, 14, dtype=torch.int64)[::2],  # not contiguous
+    }
+    moved = packed_copy(tensors, torch.device("cpu"))
+    assert moved.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert moved[name].dtype == t.dtype and torch.equal(moved[name], t), name
+        assert moved[name].is_contiguous()
+    # one buffer per dtype: the int64 tensors share one storage
+    assert moved["a"].untyped_storage().data_ptr() == moved["b"].untyped_storage().data_ptr()
+
+
+def test_off_the_cpu_a_pass_is_moved_packed_with_every_shape_and_dtype_kept() -> None:
+    """The meta device stands for a GPU here: the batch goes through the
+    packed copy, and every field keeps the CPU build's shape and dtype."""
+    rng = random.Random(5)
+    rows = [rng.sample(range(1, 500), n) for n in (7, 30, 12)]
+    for extend in ([1, 1, 1], [3, 1, 12]):
+        cpu = ForwardBatch.build(rows, extend, [True, False, True])
+        meta = ForwardBatch.build(rows, extend, [True, False, True], "meta")
+        assert (meta.num_tokens, meta.max_extend) == (cpu.num_tokens, cpu.max_extend)
+        for name in FIELDS:
+            here, there = getattr(cpu, name), getattr(meta, name)
+            if isinstance(here, torch.Tensor):
+                assert there.device.type == "meta", name
+                assert (there.shape, there.dtype) == (here.shape, here.dtype), name
