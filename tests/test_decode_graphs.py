@@ -129,3 +129,30 @@ def test_a_wider_pass_than_any_before_grows_the_buffers_and_still_computes_the_s
             got = graphs.forward(ids, None)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert widths == [256, 512]
+
+
+def test_a_bucket_whose_capture_fails_runs_op_by_op_and_is_not_captured_again(model_dir):
+    """A capture that raises (a GPU out of memory, say) leaves its bucket to
+    run op by op, the same pass computed, and is not tried again."""
+    slots = random.Random(2).sample(range(1, CAPACITY), 40)
+    contexts = [slots[:20], slots[20:]]
+    cfg = ModelConfig.from_dir(model_dir)
+    _, model, pool = prefilled(model_dir, range(cfg.num_layers), contexts)
+    graphs = DecodeGraphs(model, pool, torch.device("cpu"), first=True, max_rows=4)
+    graphs.captures = True  # as on a GPU, with a capture that cannot succeed
+    tried = []
+
+    def failing(rows: int, width: int) -> None:
+        tried.append((rows, width))
+        raise RuntimeError("CUDA out of memory")
+
+    graphs._capture = failing
+    with torch.inference_mode():
+        expected = model(
+            torch.tensor([3, 4]), ForwardBatch.build(contexts, [1, 1], [True, True]), pool
+        )
+        for _ in range(2):
+            graphs.batch(contexts, [True, True])
+            got = graphs.forward([3, 4], None)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert tried == [(2, 256)] and graphs.replays == 0

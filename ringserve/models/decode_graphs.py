@@ -73,6 +73,7 @@ class DecodeGraphs:
         self._true = torch.ones(rows, 1, dtype=torch.bool, device=device)
         self._width = 0  # the widest context the index buffers hold (`_reserve`)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._eager: set[tuple[int, int]] = set()  # buckets whose capture failed
         self._mempool = torch.cuda.graph_pool_handle() if self.captures else None
         self._current: tuple[ForwardBatch, int, int] | None = None
         self.replays = 0  # for tests and figures
@@ -122,7 +123,8 @@ class DecodeGraphs:
         r = self.max_rows
         # positions | out_slots | seq_lens | token ids | context slots [rows, width]
         size = 4 * r + r * width
-        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=self.captures)
+        pinned = self.device.type == "cuda"  # so the one copy to the GPU can run ahead
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.int64, device=self.device)
         self._arange_width = torch.arange(width, dtype=torch.int64, device=self.device)
@@ -179,12 +181,28 @@ class DecodeGraphs:
         else:
             self._hidden[:n].copy_(hidden)
         self._current = None
-        if not self.captures:
+        graph = self._graph(rows, width)
+        if graph is None:
             return self._step(rows, width)[:n]
-        graph, out = self._graphs.get((rows, width)) or self._capture(rows, width)
-        graph.replay()
+        graph[0].replay()
         self.replays += 1
-        return out[:n]
+        return graph[1][:n]
+
+    def _graph(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """The bucket's graph, captured on its first use; None where passes
+        run op by op: off a GPU, or in a bucket whose capture failed (out of
+        memory, say), which is logged once and not tried again."""
+        key = (rows, width)
+        if not self.captures or key in self._eager:
+            return None
+        if key not in self._graphs:
+            try:
+                self._capture(rows, width)
+            except RuntimeError as exc:
+                log.warning("decode_graph.capture_failed", rows=rows, width=width, error=str(exc))
+                self._eager.add(key)
+                return None
+        return self._graphs[key]
 
     def _step(self, rows: int, width: int) -> torch.Tensor:
         """The slice's forward over the static buffers at this bucket: what
