@@ -165,6 +165,28 @@ class EngineConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
 
+    def ring_terms(self) -> bytes:
+        """What every rank of one ring must have been given alike: the
+        split, the one KV capacity, what shapes a pass and its hidden
+        states, and the model's config.json (not its path, which may differ
+        between machines). Per-rank choices (device, threads, kernels) and
+        the plan's measured budgets are left out."""
+        terms = {
+            "model_config": (self.model_dir / "config.json").read_text(),
+            "dtype": self.dtype,
+            "layer_split": list(self.layer_split or ()),
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "host_kv_tokens": self.host_kv_tokens,
+            "max_model_len": self.max_model_len,
+            "max_tokens_per_pass": self.max_tokens_per_pass,
+            "chunk_size": self.chunk_size,
+            "max_batch": self.max_batch,
+            "speculative": self.speculative,
+            "speculative_tokens": self.speculative_tokens,
+            "structured_outputs_config": self.structured_outputs_config,
+        }
+        return json.dumps(terms, sort_keys=True).encode()
+
     @property
     def speculative_tokens(self) -> int:
         """The most speculative tokens a decode step carries; 0 when off."""

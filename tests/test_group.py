@@ -1,10 +1,18 @@
-"""Joining the ring's process group leaves the program's excepthook alone."""
+"""Joining the ring's process group: the program's excepthook is left alone,
+and ranks started with different ring settings refuse to start."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import sys
+from dataclasses import replace
 
+import pytest
+
+from ringserve.config import EngineConfig
+from ringserve.models.builtin import builtin_model_dir
 from ringserve.ring.group import close_group, init_group
 
 
@@ -23,3 +31,66 @@ def test_joining_and_leaving_groups_keeps_the_excepthook():
         finally:
             close_group()
     assert sys.excepthook is hook
+
+
+PEER = """
+import sys
+from ringserve.ring.group import RingMismatch, close_group, init_group
+rank, port, terms = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].encode()
+try:
+    init_group(rank, 2, "127.0.0.1", port, connect_timeout_s=30, terms=terms)
+    print("joined", flush=True)
+except RingMismatch as exc:
+    print("refused:", exc, flush=True)
+finally:
+    close_group()
+"""
+
+
+def join_two(terms: tuple[str, str]) -> list[str]:
+    """Two real ranks over gloo, each given its own terms: the last line each printed."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PEER, str(rank), str(port), terms[rank]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        return [p.communicate(timeout=60)[0].strip().splitlines()[-1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_given_the_same_terms_join_and_ranks_given_others_are_refused():
+    assert join_two(("split 2,2", "split 2,2")) == ["joined", "joined"]
+    said = join_two(("split 2,2", "split 3,1"))
+    assert all(s.startswith("refused: ranks [1] were started with ring settings") for s in said)
+
+
+def test_ring_terms_cover_what_shapes_the_ring_and_not_what_each_rank_chooses(tmp_path):
+    model = builtin_model_dir()
+    base = EngineConfig(model_dir=model, layer_split=(2, 2), kv_capacity_tokens=4096)
+    same = [
+        replace(base, torch_threads=3),
+        replace(base, device="cpu"),
+        replace(base, cpu_kernels="torch"),
+        replace(base, plan={"ranks": []}),
+    ]
+    copy = tmp_path / "elsewhere"  # the same model at another path, as on another machine
+    shutil.copytree(model, copy)
+    same.append(replace(base, model_dir=copy))
+    assert all(c.ring_terms() == base.ring_terms() for c in same)
+    other = [
+        replace(base, layer_split=(3, 1)),
+        replace(base, kv_capacity_tokens=8192),
+        replace(base, dtype="bfloat16"),
+        replace(base, max_tokens_per_pass=256),
+    ]
+    assert all(c.ring_terms() != base.ring_terms() for c in other)

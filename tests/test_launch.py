@@ -167,6 +167,26 @@ def test_two_launchers_act_as_two_nodes(stop_node):
         second.stop()
 
 
+def test_nodes_that_sized_different_rings_refuse_to_start_and_say_why():
+    """Each node sizes the ring on its own; two that disagree (here on the
+    split) must not serve a ring whose ranks hold other layers than rank 0
+    thinks: every rank refuses in one line and both launchers end."""
+    master = str(free_port())
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", master, *COMMON)
+    first = Launched(*nodes, "--layer-split", "1,3", "--node-rank", "0", expect_ready=False)
+    second = Launched(*nodes, "--layer-split", "3,1", "--node-rank", "1", expect_ready=False)
+    try:
+        for node in (first, second):
+            node.proc.wait(120)
+            assert node.proc.returncode != 0
+            said = node.wait_for("were started with ring settings other than rank 0's", 10)
+            assert said.startswith(f"ringserve: rank {node is second:d}: ranks [1]"), said
+        assert "ready at" not in first.output()
+    finally:
+        first.stop()
+        second.stop()
+
+
 def test_sigterm_ends_a_long_stream_with_its_reason_and_the_group_promptly():
     """A request still generating when the server is stopped cannot finish
     (the conductor stops with it): it ends with the reason at once, and the

@@ -90,7 +90,7 @@ class LocalRing:
         self._stop = asyncio.Event()
         ends = None
         if spec.world > 1:
-            init_group(0, spec.world, spec.master_addr, spec.master_port)
+            init_group(0, spec.world, spec.master_addr, spec.master_port, terms=config.ring_terms())
             expect = hidden_announcement(config, ModelConfig.from_dir(config.model_dir))
             ends = open_links(spec, FaultPlan.from_env(0), expect)
         conductor = build_conductor(config, spec.world, ends)

@@ -23,6 +23,7 @@ log = structlog.get_logger(__name__)
 
 # A rank that exits because a link to it failed is a casualty, not a culprit.
 EXIT_LINK_FAILED = 3
+EXIT_REFUSED = 4  # a rank whose ring settings differ from rank 0's (ring/group.py)
 
 
 def encode_config(config: EngineConfig) -> str:

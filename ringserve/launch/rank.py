@@ -21,6 +21,7 @@ from ringserve.engine.follower import Follower
 from ringserve.launch.boot import build_stage, hidden_announcement, report_loaded
 from ringserve.launch.processes import (
     EXIT_LINK_FAILED,
+    EXIT_REFUSED,
     decode_config,
     die_with_parent,
     exit_now_if_stuck,
@@ -28,7 +29,7 @@ from ringserve.launch.processes import (
 from ringserve.models.config import ModelConfig
 from ringserve.ring.errors import LinkError
 from ringserve.ring.faults import FaultPlan
-from ringserve.ring.group import close_group, init_group
+from ringserve.ring.group import RingMismatch, close_group, init_group
 from ringserve.ring.topology import RankSpec, open_links
 
 log = structlog.get_logger(__name__)
@@ -98,7 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     if spec.rank == 0 and args.http is None:
         raise SystemExit("rank 0 runs inside `LLM` or `ringserve launch`, not here")
     if spec.world > 1:
-        init_group(spec.rank, spec.world, spec.master_addr, spec.master_port)
+        try:
+            init_group(
+                spec.rank, spec.world, spec.master_addr, spec.master_port, terms=config.ring_terms()
+            )
+        except RingMismatch as exc:
+            print(f"ringserve: rank {spec.rank}: {exc}", file=sys.stderr, flush=True)
+            close_group()
+            return EXIT_REFUSED
     try:
         import uvloop
 

@@ -10,15 +10,23 @@ never starts is reported instead of waited for.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import sys
 
 import structlog
+import torch
 import torch.distributed as dist
 
 log = structlog.get_logger(__name__)
 
 # Longer than any run; gloo needs a finite value.
 OPERATION_TIMEOUT = datetime.timedelta(days=30)
+
+
+class RingMismatch(ValueError):
+    """The ranks were started with different ring settings (layer split, KV
+    capacity, ...): a ring whose ranks disagree would corrupt outputs
+    silently, so none of them starts."""
 
 
 def init_group(
@@ -28,12 +36,17 @@ def init_group(
     master_port: int,
     *,
     connect_timeout_s: float = 120.0,
+    terms: bytes | None = None,
 ) -> dist.ProcessGroup:
     """Join the gloo group of `world_size` ranks whose TCP store rank 0
     serves at `master_addr:master_port`; returns the group the links use.
+    With `terms` (what every rank must agree on, `EngineConfig.ring_terms`),
+    every rank checks that all ranks were given the same: each node of a
+    multi-node ring sizes it on its own, and nodes that measured different
+    memory plan different rings.
 
     Raises RuntimeError (from torch) when the other ranks do not all arrive
-    within `connect_timeout_s`."""
+    within `connect_timeout_s`, RingMismatch when the terms differ."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of {world_size} ranks")
     store = dist.TCPStore(
@@ -55,7 +68,27 @@ def init_group(
     log.info(
         "group.joined", rank=rank, world_size=world_size, master=f"{master_addr}:{master_port}"
     )
+    if terms is not None:
+        check_terms(rank, world_size, terms)
     return dist.group.WORLD
+
+
+def check_terms(rank: int, world_size: int, terms: bytes) -> None:
+    """Every rank's digest of its terms, gathered on every rank (one
+    collective that every rank joins, before any link opens); RingMismatch
+    naming the ranks that differ from rank 0."""
+    digest = hashlib.blake2b(terms, digest_size=16).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    differ = [r for r in range(world_size) if not torch.equal(every[r], every[0])]
+    if differ:
+        log.error("group.terms_differ", rank=rank, ranks=differ, terms=terms.decode())
+        raise RingMismatch(
+            f"ranks {differ} were started with ring settings other than rank 0's (each rank "
+            f"logs its own as group.terms_differ): on several nodes, give --rank-memory-mib "
+            f"or --layer-split, and the same options, so every node sizes the same ring"
+        )
 
 
 def close_group() -> None:
