@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -74,10 +75,22 @@ def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
 def peak_of(changes: Iterable[tuple[int, int]]) -> int:
     """The highest running sum of (time, bytes) allocations (bytes > 0) and
     frees (bytes < 0) taken in time order, from 0: what was live before is
-    not counted. Within one instant allocations go before frees, so a peak
-    is never read low."""
+    not counted. A free counts only against a block of its size the run
+    took: a block from before the run is not the run's, whether the
+    allocator reports no size for it or a stale one (it keeps the size of an
+    address it saw allocated in an earlier profile and freed outside it, and
+    reports that size when a later block at the same address goes: read
+    once as 5 MiB for a run that held 6). Within one instant allocations go
+    before frees, so a peak is never read low."""
     live = peak = 0
+    taken: Counter[int] = Counter()
     for _, nbytes in sorted(changes, key=lambda c: (c[0], -c[1])):
+        if nbytes < 0:
+            if not taken[-nbytes]:
+                continue
+            taken[-nbytes] -= 1
+        else:
+            taken[nbytes] += 1
         live += nbytes
         peak = max(peak, live)
     return peak
