@@ -254,11 +254,15 @@ def _launch(args: argparse.Namespace) -> int:
     from ringserve.http.options import HttpOptions
     from ringserve.launch.launcher import NodeSpec, launch, say
     from ringserve.launch.processes import free_port
-    from ringserve.plan.sizing import size_ring
+    from ringserve.plan.sizing import placement, size_ring
 
     config, plan = size_ring(config, args.pp, budgets)
     if plan is not None:
         say("memory plan\n" + plan.table())
+    say(
+        "devices: "
+        + ", ".join(f"rank {r} {d}" for r, d in enumerate(placement(config.device, args.pp)))
+    )
     node = NodeSpec(
         args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port()
     )

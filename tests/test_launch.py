@@ -11,6 +11,7 @@ import time
 import aiohttp
 import openai
 import pytest
+import torch
 
 from ringserve.client import AsyncClient
 from tests.launched import Launched, free_port, pid_alive
@@ -31,6 +32,15 @@ def server(request):
 def model_id(server: Launched) -> str:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     return client.models.list().data[0].id
+
+
+def test_the_launcher_says_where_each_rank_runs_and_each_rank_agrees(server):
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    places = [f"cuda:{r % count}" if count else "cpu" for r in range(len(server.ranks))]
+    said = server.wait_for("devices: ", 10)
+    assert said.endswith(", ".join(f"rank {r} {d}" for r, d in enumerate(places))), said
+    for r, place in enumerate(places):
+        assert server.wait_for(f"rank {r} loaded layers", 10).endswith(f"on {place}")
 
 
 def test_openai_completions_stream_equals_plain(server):

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import structlog
 
-from ringserve.config import EngineConfig, device_list, resolve_dtype
+from ringserve.config import EngineConfig, device_list, rank_device, resolve_dtype
 from ringserve.models.config import ModelConfig
 from ringserve.plan.host import solve_host, with_host
 from ringserve.plan.solve import Objective, Plan, plan
@@ -87,6 +87,15 @@ def resolve_device(device: str, pp_size: int) -> str:
         if index and int(index) >= count:
             raise ValueError(f"device {part} is not there: torch sees {count} GPU(s)")
     return device
+
+
+def placement(device: str, pp_size: int) -> list[str]:
+    """Where each rank of the ring runs (`config.rank_device` with this
+    machine's GPUs), for the plan's printout."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [rank_device(device, r, count) for r in range(pp_size)]
 
 
 def check_split(split: tuple[int, ...] | list[int], pp_size: int, num_layers: int) -> None:
