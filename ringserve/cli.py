@@ -259,10 +259,7 @@ def _launch(args: argparse.Namespace) -> int:
     config, plan = size_ring(config, args.pp, budgets)
     if plan is not None:
         say("memory plan\n" + plan.table())
-    say(
-        "devices: "
-        + ", ".join(f"rank {r} {d}" for r, d in enumerate(placement(config.device, args.pp)))
-    )
+    say(_devices(placement(config.device, args.pp)))
     node = NodeSpec(
         args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port()
     )
@@ -285,13 +282,18 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     budgets, config = _budgets(args), _config(args)
-    from ringserve.plan.sizing import size_ring
+    from ringserve.plan.sizing import placement, size_ring
 
-    _, plan = size_ring(config, args.pp, budgets)
+    sized, plan = size_ring(config, args.pp, budgets)
     if plan is None:
         raise UserError("plan needs --rank-memory-mib")
+    print(_devices(placement(sized.device, args.pp)))
     print(plan.table())
     return 0
+
+
+def _devices(places: list[str]) -> str:
+    return "devices: " + ", ".join(f"rank {r} {d}" for r, d in enumerate(places))
 
 
 def _replay(args: argparse.Namespace) -> int:

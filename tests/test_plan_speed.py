@@ -7,6 +7,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -189,5 +190,6 @@ def test_ringserve_plan_prints_the_stage_times_and_names_the_bottleneck(capsys):
         "planned for throughput"
     )
     assert "speed" in lines[-9] and "stage" in lines[-9]
+    assert lines[0] == "devices: rank 0 cpu, rank 1 cpu, rank 2 cpu" or torch.cuda.is_available()
     assert main([*argv, "--plan-for", "capacity", "--min-kv-tokens", "99999999"]) == 2
     assert "no layer split holds --min-kv-tokens 99999999" in capsys.readouterr().err
