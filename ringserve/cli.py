@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ringserve.benchmark.options import add_arguments as bench_args
 from ringserve.config import (
@@ -24,6 +25,10 @@ from ringserve.config import (
     json_object,
     speculative_options,
 )
+
+if TYPE_CHECKING:
+    from ringserve.launch.exchange import RingExchange
+    from ringserve.launch.launcher import NodeSpec
 
 
 def _defaults() -> dict[str, object]:
@@ -252,17 +257,13 @@ def _launch(args: argparse.Namespace) -> int:
     budgets, config = _budgets(args), _config(args)  # mistakes found before torch loads
 
     from ringserve.http.options import HttpOptions
-    from ringserve.launch.launcher import NodeSpec, launch, say
+    from ringserve.launch.launcher import NodeSpec, launch
     from ringserve.launch.processes import free_port
-    from ringserve.plan.sizing import placement, size_ring
 
-    config, plan = size_ring(config, args.pp, budgets)
-    if plan is not None:
-        say("memory plan\n" + plan.table())
-    say(_devices(placement(config.device, args.pp)))
     node = NodeSpec(
         args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port()
     )
+    config, exchange = _sized_for_node(config, node, budgets)
     # vLLM's default: the name the model was asked for (a Hub id, not its snapshot hash)
     name = args.served_model_name
     if name is None and args.model is not None and not Path(args.model).is_dir():
@@ -277,7 +278,39 @@ def _launch(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
     )
-    return launch(node, config, http, args.log_dir)
+    try:
+        return launch(node, config, http, args.log_dir)
+    finally:
+        del exchange  # node 0's store served the other nodes until the ring ended
+
+
+def _sized_for_node(
+    config: EngineConfig, node: NodeSpec, budgets: list[int] | None
+) -> tuple[EngineConfig, RingExchange | None]:
+    """The ring this node's ranks start on: sized here on node 0 (published
+    to the other nodes when there are several), taken from node 0 on the
+    others (launch/exchange.py); and the exchange, which node 0 keeps
+    serving while its launcher runs."""
+    from ringserve.launch.exchange import RingExchange
+    from ringserve.launch.launcher import say
+    from ringserve.plan.sizing import placement, resolve_device, size_ring
+
+    exchange = None
+    if node.nnodes > 1:
+        exchange = RingExchange(node.master_addr, node.master_port, node.node_rank, node.nnodes)
+    if node.node_rank == 0:
+        config, plan = size_ring(config, node.world, budgets)
+        if plan is not None:
+            say("memory plan\n" + plan.table())
+        if exchange is not None:
+            exchange.publish(config)
+    else:
+        own = replace(config, device=resolve_device(config.device, node.world))
+        config = exchange.take(own)
+        split = ",".join(map(str, config.layer_split or ()))
+        say(f"ring sized by node 0: layer split {split}, KV capacity {config.kv_capacity_tokens}")
+    say(_devices(placement(config.device, node.world)))
+    return config, exchange
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ with its defaults declared here and nowhere else."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,13 @@ PLAN_FOR = ("capacity", "throughput", "balanced")  # what the planner optimises 
 KV_TOKENS_PER_WAITING = 16  # the default queue bound: one waiting request per this many KV slots
 SPECULATIVE_METHODS = ("ngram", "draft")  # who proposes speculative tokens (sched/speculation.py)
 CPU_KERNELS = ("native", "torch")  # how CPU decode passes attend (kernels/cpu_native.py)
+# What shapes the ring: every rank must hold the same (ring_terms), and a
+# multi-node ring takes them from node 0 (with_ring_of)
+RING_FIELDS = (
+    "dtype", "layer_split", "kv_capacity_tokens", "host_kv_tokens", "max_model_len",
+    "max_tokens_per_pass", "chunk_size", "max_batch", "speculative",
+    "num_speculative_tokens", "structured_outputs_config",
+)  # fmt: skip
 DEVICE_KINDS = ("auto", "cpu", "cuda")  # `device`'s words; or one device per rank, cpu,cuda:1
 
 
@@ -166,26 +173,21 @@ class EngineConfig:
             raise ValueError("ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
 
     def ring_terms(self) -> bytes:
-        """What every rank of one ring must have been given alike: the
-        split, the one KV capacity, what shapes a pass and its hidden
-        states, and the model's config.json (not its path, which may differ
-        between machines). Per-rank choices (device, threads, kernels) and
-        the plan's measured budgets are left out."""
-        terms = {
-            "model_config": (self.model_dir / "config.json").read_text(),
-            "dtype": self.dtype,
-            "layer_split": list(self.layer_split or ()),
-            "kv_capacity_tokens": self.kv_capacity_tokens,
-            "host_kv_tokens": self.host_kv_tokens,
-            "max_model_len": self.max_model_len,
-            "max_tokens_per_pass": self.max_tokens_per_pass,
-            "chunk_size": self.chunk_size,
-            "max_batch": self.max_batch,
-            "speculative": self.speculative,
-            "speculative_tokens": self.speculative_tokens,
-            "structured_outputs_config": self.structured_outputs_config,
-        }
+        """What every rank of one ring must have been given alike
+        (`RING_FIELDS`) and the model's config.json (not its path, which may
+        differ between machines). Per-rank choices (device, threads, kernels)
+        and the plan's measured budgets are left out."""
+        terms = {name: getattr(self, name) for name in RING_FIELDS}
+        terms["layer_split"] = list(self.layer_split or ())
+        terms["model_config"] = (self.model_dir / "config.json").read_text()
         return json.dumps(terms, sort_keys=True).encode()
+
+    def with_ring_of(self, sized: EngineConfig) -> EngineConfig:
+        """This node's config on the ring `sized` (node 0's): its
+        `RING_FIELDS`, plan and host tier taken, this node's per-rank
+        choices kept."""
+        taken = {name: getattr(sized, name) for name in RING_FIELDS}
+        return replace(self, **taken, plan=sized.plan, host_kv_mib=sized.host_kv_mib)
 
     @property
     def speculative_tokens(self) -> int:

@@ -94,3 +94,17 @@ def test_ring_terms_cover_what_shapes_the_ring_and_not_what_each_rank_chooses(tm
         replace(base, max_tokens_per_pass=256),
     ]
     assert all(c.ring_terms() != base.ring_terms() for c in other)
+
+
+def test_a_node_takes_the_ring_terms_of_node_0_and_keeps_its_own_choices():
+    model = builtin_model_dir()
+    node0 = EngineConfig(
+        model_dir=model, layer_split=(1, 3), kv_capacity_tokens=4096, plan={"ranks": [1]}
+    )
+    mine = EngineConfig(
+        model_dir=model, layer_split=(3, 1), device="cpu", cpu_kernels="torch", torch_threads=2
+    )
+    taken = mine.with_ring_of(node0)
+    assert taken.ring_terms() == node0.ring_terms()
+    assert (taken.layer_split, taken.kv_capacity_tokens, taken.plan) == ((1, 3), 4096, node0.plan)
+    assert (taken.device, taken.cpu_kernels, taken.torch_threads) == ("cpu", "torch", 2)

@@ -4,8 +4,11 @@ the official `openai` client and ringserve's own async client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
+import socket
 import time
 
 import aiohttp
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from ringserve.client import AsyncClient
+from ringserve.models.builtin import builtin_model_dir
 from tests.launched import Launched, free_port, pid_alive
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,6 +31,18 @@ def server(request):
     gone = launched.stop(signal.SIGTERM)
     assert gone < 10, f"ranks took {gone:.1f} s to go after SIGTERM"
     assert launched.proc.returncode == 0, launched.output()
+
+
+def two_node_ports() -> str:
+    """A master port whose next port is free too (node 0's ring exchange)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return str(port)
 
 
 def model_id(server: Launched) -> str:
@@ -158,8 +174,7 @@ def _health_status(url: str) -> int:
 
 @pytest.mark.parametrize("stop_node", [0, 1])
 def test_two_launchers_act_as_two_nodes(stop_node):
-    master = str(free_port())
-    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", master, *COMMON)
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", two_node_ports(), *COMMON)
     first = Launched(*nodes, "--node-rank", "0", expect_ready=False)
     second = Launched(*nodes, "--node-rank", "1", expect_ready=False)
     try:
@@ -177,14 +192,41 @@ def test_two_launchers_act_as_two_nodes(stop_node):
         second.stop()
 
 
-def test_nodes_that_sized_different_rings_refuse_to_start_and_say_why():
-    """Each node sizes the ring on its own; two that disagree (here on the
-    split) must not serve a ring whose ranks hold other layers than rank 0
-    thinks: every rank refuses in one line and both launchers end."""
-    master = str(free_port())
-    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", master, *COMMON)
+def test_a_second_node_takes_the_ring_node_0_sized():
+    """Each node was given its own split; the ring is node 0's, and node 1's
+    rank loads node 0's layers for it."""
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", two_node_ports(), *COMMON)
     first = Launched(*nodes, "--layer-split", "1,3", "--node-rank", "0", expect_ready=False)
     second = Launched(*nodes, "--layer-split", "3,1", "--node-rank", "1", expect_ready=False)
+    try:
+        first.wait_for("ready at", 180)
+        said = second.wait_for("ring sized by node 0", 10)
+        assert said == "ringserve: ring sized by node 0: layer split 1,3, KV capacity 8192"
+        assert second.wait_for("rank 1 loaded layers", 10).startswith(
+            "ringserve: rank 1 loaded layers 1-3,"
+        )
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="none")
+        out = client.completions.create(
+            model=model_id(first), prompt="Two nodes", max_tokens=4, temperature=0
+        )
+        assert out.usage.completion_tokens == 4
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_nodes_serving_different_models_refuse_to_start_and_say_why(tmp_path):
+    """What node 0 cannot hand over, the model itself, must match: ranks
+    whose model's config differs from rank 0's refuse, one line each, and
+    both launchers end."""
+    other = tmp_path / "other"
+    shutil.copytree(builtin_model_dir(), other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-5) * 2
+    (other / "config.json").write_text(json.dumps(config))
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", two_node_ports(), *COMMON)
+    first = Launched(*nodes, "--node-rank", "0", expect_ready=False)
+    second = Launched(*nodes, "--model", str(other), "--node-rank", "1", expect_ready=False)
     try:
         for node in (first, second):
             node.proc.wait(120)
