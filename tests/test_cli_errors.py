@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ringserve.models.builtin import builtin_model_dir
+from tests.launched import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,6 +38,20 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 "--rank-memory-mib '9000,lots': give comma-separated integers",
             ),
             "port in use": (["launch", "--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+            "exchange port in use": (
+                [
+                    "launch",
+                    "--pp",
+                    "2",
+                    "--nnodes",
+                    "2",
+                    "--master-port",
+                    str(port - 1),
+                    "--port",
+                    str(free_port()),
+                ],
+                f"node 0 cannot serve ring exchange at 127.0.0.1:{port}",
+            ),  # fmt: skip
             "split does not fit": (
                 ["launch", "--pp", "2", "--rank-memory-mib", "10,10"],
                 "rank 1 cannot hold its slice",

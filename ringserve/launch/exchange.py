@@ -40,9 +40,10 @@ class RingExchange:
                 wait_for_workers=False,
             )
         except (RuntimeError, TimeoutError) as exc:
+            what = "serve" if node_rank == 0 else "reach node 0's"
             raise UserError(
-                f"node {node_rank} cannot reach node 0's ring exchange at "
-                f"{master_addr}:{master_port + 1} ({exc}); it uses the port after --master-port"
+                f"node {node_rank} cannot {what} ring exchange at {master_addr}:{master_port + 1} "
+                f"({exc}); it uses the port after --master-port"
             ) from None
 
     def publish(self, sized: EngineConfig) -> None:
