@@ -295,22 +295,36 @@ def _sized_for_node(
     from ringserve.launch.launcher import say
     from ringserve.plan.sizing import placement, resolve_device, size_ring
 
-    exchange = None
-    if node.nnodes > 1:
-        exchange = RingExchange(node.master_addr, node.master_port, node.node_rank, node.nnodes)
-    if node.node_rank == 0:
+    if node.nnodes == 1:
         config, plan = size_ring(config, node.world, budgets)
         if plan is not None:
             say("memory plan\n" + plan.table())
-        if exchange is not None:
-            exchange.publish(config)
+        say(_devices(placement(config.device, node.world)))
+        return config, None
+    exchange = RingExchange(node.master_addr, node.master_port, node.node_rank, node.nnodes)
+    own = replace(config, device=resolve_device(config.device, node.world))
+    if node.node_rank == 0:
+        # without given budgets, each node's ranks as measured on their own node's devices
+        needs = budgets is None and config.layer_split is None
+        every = exchange.gather_budgets(_measured(own, node), node.nnodes) if needs else None
+        config, plan = size_ring(own, node.world, budgets, measured=every)
+        if plan is not None:
+            say("memory plan\n" + plan.table())
+        exchange.publish(config)
     else:
-        own = replace(config, device=resolve_device(config.device, node.world))
+        exchange.offer_budgets(_measured(own, node))  # node 0 takes them if it plans without
         config = exchange.take(own)
         split = ",".join(map(str, config.layer_split or ()))
         say(f"ring sized by node 0: layer split {split}, KV capacity {config.kv_capacity_tokens}")
     say(_devices(placement(config.device, node.world)))
     return config, exchange
+
+
+def _measured(config: EngineConfig, node: NodeSpec) -> list[int]:
+    """This node's ranks' default budgets, measured on this node's devices."""
+    from ringserve.plan.ledger import default_budgets
+
+    return [f.bytes for f in default_budgets(node.world, config.device, node.ranks)]
 
 
 def _plan(args: argparse.Namespace) -> int:

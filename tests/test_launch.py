@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +19,7 @@ import torch
 
 from ringserve.client import AsyncClient
 from ringserve.models.builtin import builtin_model_dir
+from ringserve.plan.ledger import default_budgets
 from tests.launched import Launched, free_port, pid_alive
 
 pytestmark = pytest.mark.timeout(300)
@@ -210,6 +212,26 @@ def test_a_second_node_takes_the_ring_node_0_sized():
             model=model_id(first), prompt="Two nodes", max_tokens=4, temperature=0
         )
         assert out.usage.completion_tokens == 4
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_without_budgets_each_node_measures_its_own_ranks_for_node_0s_plan():
+    """One rank a node: node 0's plan holds each rank's budget as its own
+    node measured it, a whole node's share (node 0 measuring both ranks on
+    its own machine would have split its share between them)."""
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", two_node_ports(), *COMMON)
+    first = Launched(*nodes, "--node-rank", "0", expect_ready=False)
+    second = Launched(*nodes, "--node-rank", "1", expect_ready=False)
+    try:
+        first.wait_for("ready at", 180)
+        rows = [line.split() for line in first.lines if re.match(r"\s+[01]\s+\d+-\d+ \(", line)]
+        assert [(row[0], row[4]) for row in rows] == [("0", "measured"), ("1", "measured")]
+        share = default_budgets(1)[0].bytes / 2**20  # one rank alone on this machine
+        for row in rows:
+            assert float(row[3]) == pytest.approx(share, rel=0.15), (row, share)
+        second.wait_for("ring sized by node 0", 10)
     finally:
         first.stop()
         second.stop()

@@ -114,16 +114,18 @@ def budgets_from_mib(rank_memory_mib: Sequence[int] | str) -> list[Figure]:
     return [Figure(int(mib) * MIB, "given") for mib in rank_memory_mib]
 
 
-def default_budgets(pp_size: int, device: str = "auto") -> list[Figure]:
-    """Measured budgets, each rank's where it runs (`config.rank_device`):
-    a GPU's free memory less a reserve (logged), shared equally by the ranks
-    placed on that GPU; the CPU's 1/CPU_SHARE of MemAvailable, shared
-    equally by the ranks on the CPU. `auto`: every rank on the GPUs when
-    torch sees one, else on the CPU."""
+def default_budgets(pp_size: int, device: str = "auto", ranks: range | None = None) -> list[Figure]:
+    """Measured budgets of `ranks` (default: all of the ring's) on this
+    machine, each rank's where it runs (`config.rank_device`): a GPU's free
+    memory less a reserve (logged), shared equally by those ranks placed on
+    that GPU; the CPU's 1/CPU_SHARE of MemAvailable, shared equally by those
+    ranks on the CPU. `auto`: every rank on the GPUs when torch sees one,
+    else on the CPU."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    places = [rank_device(device, r, count) for r in range(pp_size)]
+    ranks = range(pp_size) if ranks is None else ranks
+    places = [rank_device(device, r, count) for r in ranks]
     per_place = {}
     for place, ranks in sorted(Counter(places).items()):
         if place == "cpu":

@@ -16,7 +16,10 @@ log = structlog.get_logger(__name__)
 
 
 def size_ring(
-    config: EngineConfig, pp_size: int, rank_memory_mib: list[int] | str | None
+    config: EngineConfig,
+    pp_size: int,
+    rank_memory_mib: list[int] | str | None,
+    measured: list[int] | None = None,
 ) -> tuple[EngineConfig, Plan | None]:
     """The config every rank is started with. The planner picks the split
     and the capacity from the given budgets, or, when neither budgets nor a
@@ -26,7 +29,9 @@ def size_ring(
     the server is configured for. The split trades capacity for a faster
     slowest stage as `plan_for` says, with `rank_speed` the planned speeds.
     A given split is used as it is. The device is resolved here, once, for
-    every rank (`resolve_device`)."""
+    every rank (`resolve_device`). `measured`: the default budgets as each
+    rank's own node measured them (a ring of several nodes), used as this
+    machine's own measurements would be."""
     config = replace(config, device=resolve_device(config.device, pp_size))
     cfg = ModelConfig.from_dir(config.model_dir)
     if config.layer_split is not None:
@@ -52,6 +57,7 @@ def size_ring(
         objective=Objective(config.plan_for, config.rank_speed, config.min_kv_tokens),
         draft_model=config.draft_model if config.speculative == "draft" else None,
         device=config.device,
+        measured=measured if rank_memory_mib is None else None,
     )
     split = tuple(solved.layer_split)
     host_tokens, host = solve_host(replace(config, layer_split=split), cfg, solved_dtype)

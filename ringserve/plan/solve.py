@@ -147,6 +147,7 @@ def plan(
     objective: Objective | None = None,
     draft_model: str | Path | None = None,
     device: str = "auto",
+    measured: Sequence[int] | None = None,
 ) -> Plan:
     """Plan a model (a ModelConfig, or a model directory whose safetensors
     headers give the weight bytes) over pp_size ranks. The pool must hold at
@@ -154,13 +155,16 @@ def plan(
     directory of the draft model rank 0 runs (`--speculative draft`),
     charged to rank 0 (plan/draft.py). `device`: where the ranks run
     (`EngineConfig.device`), which measures their budgets when none are
-    given."""
+    given; `measured`: each rank's budget as measured where it runs (a
+    ring of several nodes gathers them), instead of measuring here."""
     if isinstance(model, ModelConfig):
         cfg, weights = model, model_bytes_from_config(model, dtype)
     else:
         cfg = ModelConfig.from_dir(model)
         weights = model_bytes_from_dir(model, cfg, dtype)
-    if rank_memory_mib is None:
+    if measured is not None:
+        budgets = [Figure(int(b), "measured") for b in measured]
+    elif rank_memory_mib is None:
         budgets = default_budgets(pp_size, device)
     else:
         budgets = budgets_from_mib(rank_memory_mib)
