@@ -27,6 +27,7 @@ from ringserve.models.loader import load_model
 from ringserve.models.slice import ModelSlice
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.plan.audit import check_allocation, check_draft
+from ringserve.plan.ledger import visible_gpus
 from ringserve.ring.announce import Expectation
 from ringserve.ring.codec import TensorSpec
 from ringserve.ring.faults import FaultPlan
@@ -115,8 +116,7 @@ def place_rank(config: EngineConfig, rank: int) -> torch.device:
     """Where rank `rank` runs (`config.rank_device`, the planner's rule
     too). On a GPU it is made the process's current device: Triton launches
     its kernels on the current device, whatever the tensors' device."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = torch.device(rank_device(config.device, rank, count))
+    device = torch.device(rank_device(config.device, rank, visible_gpus()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

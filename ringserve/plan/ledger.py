@@ -114,6 +114,14 @@ def budgets_from_mib(rank_memory_mib: Sequence[int] | str) -> list[Figure]:
     return [Figure(int(mib) * MIB, "given") for mib in rank_memory_mib]
 
 
+def visible_gpus() -> int:
+    """How many CUDA devices torch sees here (0 without CUDA): what
+    `config.rank_device` places ranks on."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def default_budgets(pp_size: int, device: str = "auto", ranks: range | None = None) -> list[Figure]:
     """Measured budgets of `ranks` (default: all of the ring's) on this
     machine, each rank's where it runs (`config.rank_device`): a GPU's free
@@ -123,7 +131,7 @@ def default_budgets(pp_size: int, device: str = "auto", ranks: range | None = No
     else on the CPU."""
     import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = visible_gpus()
     ranks = range(pp_size) if ranks is None else ranks
     places = [rank_device(device, r, count) for r in ranks]
     per_place = {}

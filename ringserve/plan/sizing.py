@@ -10,6 +10,7 @@ import structlog
 from ringserve.config import EngineConfig, device_list, rank_device, resolve_dtype
 from ringserve.models.config import ModelConfig
 from ringserve.plan.host import solve_host, with_host
+from ringserve.plan.ledger import visible_gpus
 from ringserve.plan.solve import Objective, Plan, plan
 
 log = structlog.get_logger(__name__)
@@ -78,12 +79,10 @@ def resolve_device(device: str, pp_size: int) -> str:
     where torch sees a GPU and `cpu` elsewhere; a per-rank list must name
     one device per rank; a CUDA device that is not there is refused here,
     before any rank starts."""
-    import torch
-
     parts = device_list(device)
     if len(parts) > 1 and len(parts) != pp_size:
         raise ValueError(f"{len(parts)} devices given for {pp_size} ranks: give one per rank")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = visible_gpus()
     if device == "auto":
         return "cuda" if count else "cpu"
     for part in parts:
@@ -98,9 +97,7 @@ def resolve_device(device: str, pp_size: int) -> str:
 def placement(device: str, pp_size: int) -> list[str]:
     """Where each rank of the ring runs (`config.rank_device` with this
     machine's GPUs), for the plan's printout."""
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = visible_gpus()
     return [rank_device(device, r, count) for r in range(pp_size)]
 
 
