@@ -305,14 +305,16 @@ def _sized_for_node(
     own = replace(config, device=resolve_device(config.device, node.world))
     if node.node_rank == 0:
         # without given budgets, each node's ranks as measured on their own node's devices
-        needs = budgets is None and config.layer_split is None
-        every = exchange.gather_budgets(_measured(own, node), node.nnodes) if needs else None
+        asked = budgets is None and config.layer_split is None
+        exchange.ask_budgets(asked)
+        every = exchange.gather_budgets(_measured(own, node), node.nnodes) if asked else None
         config, plan = size_ring(own, node.world, budgets, measured=every)
         if plan is not None:
             say("memory plan\n" + plan.table())
         exchange.publish(config)
     else:
-        exchange.offer_budgets(_measured(own, node))  # node 0 takes them if it plans without
+        if exchange.budgets_asked():
+            exchange.offer_budgets(_measured(own, node))
         config = exchange.take(own)
         split = ",".join(map(str, config.layer_split or ()))
         say(f"ring sized by node 0: layer split {split}, KV capacity {config.kv_capacity_tokens}")

@@ -1,12 +1,12 @@
 """A ring of several nodes is sized once, by node 0 (DESIGN §1): node 0's
 launcher publishes its sized config on a TCP store at the master port + 1,
 and every other node's launcher takes the ring's terms from there
-(`EngineConfig.with_ring_of`) instead of sizing a ring of its own. Without
-given budgets, each node first offers its own ranks' budgets as measured on
-its own devices, and node 0 plans with them all. A node keeps its own per-rank choices (device, kernels,
-threads). The ranks still check at their rendezvous that they agree
-(`ring/group.py`): what cannot be taken, the model's own config, must match.
-msgspec JSON on the wire, no pickle."""
+(`EngineConfig.with_ring_of`) instead of sizing a ring of its own. When node
+0 plans without given budgets or split, it asks, and each other node offers
+its own ranks' budgets as measured on its own devices. A node keeps its own
+per-rank choices (device, kernels, threads). The ranks still check at their
+rendezvous that they agree (`ring/group.py`): what cannot be taken, the
+model's own config, must match. msgspec JSON on the wire, no pickle."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ log = structlog.get_logger(__name__)
 
 RING_KEY = "ringserve/ring"
 BUDGETS_KEY = "ringserve/budgets"  # each node's measured budgets, for node 0's plan
+ASK_KEY = "ringserve/budgets-asked"  # whether node 0 plans from them
 
 
 class RingExchange:
@@ -49,22 +50,25 @@ class RingExchange:
                 f"({exc}); it uses the port after --master-port"
             ) from None
 
+    def ask_budgets(self, asked: bool) -> None:
+        """Node 0 says whether it plans from measured budgets: only then do
+        the other nodes measure (on a GPU, measuring opens a CUDA context in
+        the launcher that holds memory while it runs)."""
+        self.store.set(ASK_KEY, b"1" if asked else b"0")
+
+    def budgets_asked(self) -> bool:
+        return self._get(ASK_KEY, "say whether it plans from measured budgets") == b"1"
+
     def offer_budgets(self, budgets: list[int]) -> None:
         """This node's ranks' budgets as measured here, for node 0's plan."""
         self.store.set(f"{BUDGETS_KEY}/{self.node_rank}", msgspec.json.encode(budgets))
 
     def gather_budgets(self, own: list[int], nnodes: int) -> list[int]:
         """Every rank's budget, node by node in rank order: node 0's `own`,
-        then each other node's as it measured them (waits for them up to
-        the timeout)."""
+        then each other node's as it measured them."""
         budgets = list(own)
         for node in range(1, nnodes):
-            try:
-                raw = self.store.get(f"{BUDGETS_KEY}/{node}")
-            except (RuntimeError, TimeoutError) as exc:
-                raise UserError(
-                    f"node {node} did not offer its budgets within {self.timeout_s:.0f} s ({exc})"
-                ) from None
+            raw = self._get(f"{BUDGETS_KEY}/{node}", f"receive node {node}'s budgets")
             budgets += msgspec.json.decode(raw, type=list[int])
         return budgets
 
@@ -73,11 +77,15 @@ class RingExchange:
         log.info("ring.published", node=self.node_rank, layer_split=sized.layer_split)
 
     def take(self, own: EngineConfig) -> EngineConfig:
-        """`own` on the ring node 0 sized (waits for it up to the timeout)."""
+        """`own` on the ring node 0 sized."""
+        sized = decode_config(self._get(RING_KEY, "publish the ring").decode())
+        return own.with_ring_of(sized)
+
+    def _get(self, key: str, what: str) -> bytes:
+        """The value at `key`, waiting for it up to the timeout."""
         try:
-            sized = decode_config(self.store.get(RING_KEY).decode())
+            return self.store.get(key)
         except (RuntimeError, TimeoutError) as exc:
             raise UserError(
-                f"node 0 did not publish the ring within {self.timeout_s:.0f} s ({exc})"
+                f"the ring exchange did not {what} within {self.timeout_s:.0f} s ({exc})"
             ) from None
-        return own.with_ring_of(sized)
