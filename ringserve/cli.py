@@ -263,7 +263,8 @@ def _launch(args: argparse.Namespace) -> int:
     node = NodeSpec(
         args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port()
     )
-    config, exchange = _sized_for_node(config, node, budgets)
+    # node 0's exchange serves the other nodes for as long as this call runs
+    config, _exchange = _sized_for_node(config, node, budgets)
     # vLLM's default: the name the model was asked for (a Hub id, not its snapshot hash)
     name = args.served_model_name
     if name is None and args.model is not None and not Path(args.model).is_dir():
@@ -278,10 +279,7 @@ def _launch(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
     )
-    try:
-        return launch(node, config, http, args.log_dir)
-    finally:
-        del exchange  # node 0's store served the other nodes until the ring ended
+    return launch(node, config, http, args.log_dir)
 
 
 def _sized_for_node(

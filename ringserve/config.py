@@ -178,7 +178,6 @@ class EngineConfig:
         differ between machines). Per-rank choices (device, threads, kernels)
         and the plan's measured budgets are left out."""
         terms = {name: getattr(self, name) for name in RING_FIELDS}
-        terms["layer_split"] = list(self.layer_split or ())
         terms["model_config"] = (self.model_dir / "config.json").read_text()
         return json.dumps(terms, sort_keys=True).encode()
 

@@ -101,8 +101,9 @@ class Runner:
         """Hidden states as the ring carries them: in host memory, since
         gloo sends CPU tensors only. Off a GPU the copy is made here, in the
         forward thread, which waits for it, so the link never reads a
-        tensor the device is still writing."""
-        return hidden if hidden.device.type == "cpu" else hidden.to("cpu")
+        tensor the device is still writing (on the CPU, `to` is the tensor
+        itself)."""
+        return hidden.to("cpu")
 
     @torch.inference_mode()
     def dry_run(self, tokens: int, rows: int) -> None:
