@@ -93,11 +93,10 @@ class LLM:
         conversations = _as_conversations(messages)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: LLM.chat needs its chat template")
-        extra = dict(chat_template_kwargs or {})
-        if tools is not None:
-            extra["tools"] = tools
+        extra: dict[str, Any] = {} if tools is None else {"tools": tools}
+        extra |= chat_template_kwargs or {}
         texts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt, **extra)
+            self.tokenizer.apply_chat_template(c, add_generation_prompt, extra)
             for c in conversations
         ]
         # The template writes the special tokens itself.

@@ -339,6 +339,7 @@ LONG_PROMPT = list(range(10, 10 + 600))
 BAD_REQUESTS = {
     "malformed_json": ("/v1/completions", b'{"prompt": "x",', 400, None),
     "not_an_object": ("/v1/completions", b"[1, 2]", 400, None),
+    "not_utf8": ("/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, None),
     "wrong_type": ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, 400, "max_tokens"),
     "negative_max_tokens": (
         "/v1/completions",
@@ -429,6 +430,24 @@ BAD_REQUESTS = {
         "sampling_params",
     ),
     "generate_neither": ("/generate", {"sampling_params": {}}, 400, "input_ids"),
+    "stop_token_out_of_vocab": (
+        "/v1/completions",
+        {"prompt": PROMPT, "stop_token_ids": [10**6]},
+        400,
+        "stop_token_ids",
+    ),
+    "template_kwargs_set_messages": (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "chat_template_kwargs": {"messages": 5}},
+        400,
+        "chat_template_kwargs",
+    ),
+    "legacy_functions": (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "functions": [{"name": "f", "parameters": {}}]},
+        400,
+        "functions",
+    ),
 }
 
 

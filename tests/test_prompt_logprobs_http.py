@@ -38,6 +38,12 @@ async def test_echo_with_logprobs_covers_the_prompt(server: Server) -> None:
     assert all(v <= 0 for v in lp.token_logprobs[1:])
     assert all(len(top) == 2 for top in lp.top_logprobs[1:])
     assert choice.text.startswith(PROMPT) and lp.text_offset[n] == len(PROMPT)
+    # the offsets index the echoed text: the tokenizer's BOS begins where the prompt does
+    offsets = lp.text_offset
+    assert offsets[:2] == [0, 0] and offsets == sorted(offsets)
+    assert all(
+        choice.text[o : o + len(t)] == t for t, o in zip(lp.tokens[1:n], offsets[1:n], strict=True)
+    )
     # vLLM's field: each prompt token's own logprob, the same as echo's
     judged = choice.model_extra["prompt_logprobs"]
     assert judged[0] is None and len(judged) == n
@@ -45,14 +51,16 @@ async def test_echo_with_logprobs_covers_the_prompt(server: Server) -> None:
     assert own == lp.token_logprobs[1:n]
     # streamed: the prompt's chunk first, then the generated tokens
     stream = await client(server).completions.create(**body, stream=True)
-    tokens, values, text = [], [], ""
+    tokens, values, text, chunks = [], [], "", []
     async for chunk in stream:
         for c in chunk.choices:
             text += c.text
             if c.logprobs is not None:
                 tokens += c.logprobs.tokens
                 values += c.logprobs.token_logprobs
+                chunks.append(c.logprobs.text_offset)
     assert text == choice.text and tokens == lp.tokens
+    assert [o for c in chunks for o in c] == offsets
     assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 

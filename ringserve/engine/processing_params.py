@@ -18,7 +18,12 @@ def processing_params(
     naming the field otherwise."""
     biased = () if params.logit_bias is None else params.logit_bias
     allowed = () if params.allowed_token_ids is None else params.allowed_token_ids
-    for name, ids in (("logit_bias", list(biased)), ("allowed_token_ids", list(allowed))):
+    named = (
+        ("logit_bias", list(biased)),
+        ("allowed_token_ids", list(allowed)),
+        ("stop_token_ids", list(params.stop_token_ids)),
+    )
+    for name, ids in named:
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             raise ValueError(

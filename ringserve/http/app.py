@@ -26,6 +26,7 @@ from ringserve.http.responses import (
     GenerationChunk,
     Health,
     MemoryPlan,
+    ModelCard,
     ModelList,
 )
 from ringserve.http.schemas import ChatRequest, CompletionRequest, GenerateRequest
@@ -77,6 +78,14 @@ ROUTES = (
     ),
     Route("GET", "/v1/models", info.models, "the served model", answer=ModelList),
     Route(
+        "GET",
+        "/v1/models/{model}",
+        info.model,
+        "the served model's card, by its name (404 for another)",
+        answer=ModelCard,
+        match="/v1/models/{model:.+}",  # a Hub id has a slash
+    ),
+    Route(
         "GET", "/health", info.health, "200 while the ring makes progress", answer=Health, open=True
     ),
     Route("GET", "/metrics", info.metrics, "Prometheus metrics", media="text/plain", open=True),
@@ -113,7 +122,11 @@ def create_app(
     secured = options.api_key is not None
     app[OPENAPI] = openapi_spec(ROUTES, _version(), secured, app[SERVED].constraints)
     for route in ROUTES:
-        app.router.add_route(route.method, route.path, route.handler)
+        path = route.match or route.path
+        if route.method == "GET":  # and HEAD, which health checkers send
+            app.router.add_get(path, route.handler, allow_head=True)
+        else:
+            app.router.add_route(route.method, path, route.handler)
     return app
 
 

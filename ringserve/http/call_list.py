@@ -54,9 +54,10 @@ class CallListReader:
         return self._pieces()
 
     def read_all(self, text: str) -> list[tuple[str, str]]:
-        """(name, arguments) of every call of a whole answer."""
+        """(name, arguments) of every call of an answer whose name was read
+        (all of a whole answer's; of one cut short, those a stream opened)."""
         self.push(text)
-        return [(c.name or "", c.arguments) for c in self.calls]
+        return [(c.name, c.arguments) for c in self.calls if c.name is not None]
 
     def _pieces(self) -> list[Piece]:
         out = []

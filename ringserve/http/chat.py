@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -46,10 +47,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     tools = None if body.tools is None else msgspec.to_builtins(body.tools)
     choice = msgspec.to_builtins(body.tool_choice)
     plan = plan_tools(tools, choice, body.parallel_tool_calls, served.tool_parser)
-    template = dict(body.chat_template_kwargs or {})
-    if plan.tools is not None:
-        template["tools"] = plan.tools
-    prompt = chat_prompt(served, body.messages, body.add_generation_prompt, **template)
+    template: dict[str, Any] = {} if plan.tools is None else {"tools": plan.tools}
+    template |= body.chat_template_kwargs or {}  # the request's own win, as in vLLM
+    prompt = chat_prompt(served, body.messages, body.add_generation_prompt, template)
     max_tokens = chat_max_tokens(served, body, len(prompt))
     structured, grammar_param = structured_params(body)
     if plan.grammar is not None:
@@ -101,9 +101,13 @@ def _message(
     served: ServedModel, out: RequestOutput, plan: ToolPlan
 ) -> tuple[AssistantMessage, str | None]:
     """The assistant's turn: text, or the tool calls it made. OpenAI ends a
-    turn of calls with `tool_calls`, but a forced (named) call with `stop`."""
-    if plan.mode in ("named", "required") and out.finish_reason == "stop":
+    turn of calls with `tool_calls`, but a forced (named) call with `stop`.
+    A forced answer cut short (`length`) holds the calls begun, their
+    arguments as far as they got, as a stream of it shows them."""
+    if plan.mode in ("named", "required"):
         calls = forced_calls(plan, out.text)
+        if out.finish_reason != "stop":
+            return AssistantMessage(None, "assistant", calls or None), out.finish_reason
         return AssistantMessage(None, "assistant", calls), (
             "stop" if plan.mode == "named" else "tool_calls"
         )

@@ -81,17 +81,19 @@ def _choice(
             served.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, len(echo)
         )
     if body.echo and body.logprobs is not None:
-        lp = joined(_echoed(served, body, out), lp)
+        lp = joined(_echoed(served, body, out, echo), lp)
     plp = prompt_logprobs_body(served.tokenizer, out.prompt_logprobs)
     wanted = plp if body.prompt_logprobs is not None else None
     return CompletionChoice(i, echo + out.text, lp, out.finish_reason, out.token_ids, wanted)
 
 
-def _echoed(served: ServedModel, body: CompletionRequest, out: RequestOutput) -> CompletionLogprobs:
+def _echoed(
+    served: ServedModel, body: CompletionRequest, out: RequestOutput, echo: str
+) -> CompletionLogprobs:
     if out.prompt_logprobs is None or body.logprobs is None:
         raise ValueError("an echoed choice with logprobs has no prompt logprobs")
     return echoed_logprobs(
-        served.tokenizer, out.prompt_token_ids, out.prompt_logprobs, body.logprobs
+        served.tokenizer, out.prompt_token_ids, out.prompt_logprobs, body.logprobs, echo
     )
 
 
@@ -144,7 +146,7 @@ def _prompt_chunk(
         return None
     lp = None
     if echo is not None and body.logprobs is not None:
-        lp = _echoed(served, body, out)
+        lp = _echoed(served, body, out, echo[i])
     plp = None
     if body.prompt_logprobs is not None:
         plp = prompt_logprobs_body(served.tokenizer, out.prompt_logprobs)

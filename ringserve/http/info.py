@@ -1,5 +1,5 @@
-"""The read-only routes: `/health`, `/metrics`, `/v1/models`, `/v1/plan`,
-`/openapi.json`.
+"""The read-only routes: `/health`, `/metrics`, `/v1/models` (and one
+model's card), `/v1/plan`, `/openapi.json`; each also answers HEAD.
 
 `/health` is liveness of the work, not of the socket (DESIGN §9.7): 200
 only while no message the ring owes rank 0 is overdue and the ring has not
@@ -15,7 +15,7 @@ from ringserve.http import prometheus
 from ringserve.http.errors import ApiError
 from ringserve.http.openapi import OPENAPI
 from ringserve.http.responses import Health, ModelCard, ModelList, json_response
-from ringserve.http.served import SERVED
+from ringserve.http.served import SERVED, ServedModel
 
 
 async def health(request: web.Request) -> web.Response:
@@ -32,8 +32,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    return json_response(ModelList([_card(request.app[SERVED])]))
+
+
+async def model(request: web.Request) -> web.Response:
     served = request.app[SERVED]
-    return json_response(ModelList([ModelCard(served.name, served.created, served.max_model_len)]))
+    served.check_model(request.match_info["model"])
+    return json_response(_card(served))
+
+
+def _card(served: ServedModel) -> ModelCard:
+    return ModelCard(served.name, served.created, served.max_model_len)
 
 
 async def plan(request: web.Request) -> web.Response:

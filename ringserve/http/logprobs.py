@@ -1,8 +1,9 @@
 """Log-probabilities in OpenAI's two formats: the completions one (parallel
 lists) and the chat one (a record per token). A token's string is its own
 decoding, special tokens included; with no tokenizer it is `token_id:<id>`.
-`bytes` is the UTF-8 of that string, or null when the token is part of a
-character that its decoding alone cannot show."""
+`bytes` are the bytes the token stands for, also when they are only part of
+a character, which its string shows as U+FFFD (`Tokenizer.token_bytes`): the
+text is the concatenation of its tokens' bytes."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ def completion_logprobs(
     logprobs: list[float],
     top: list[dict[int, float]] | None,
     offset: int = 0,
+    starts: list[int] | None = None,
 ) -> CompletionLogprobs:
-    """`offset` is where this piece's text begins in the choice's text."""
+    """`offset` is where this piece's text begins in the choice's text;
+    `starts`, where each token begins in it, when known (else each token's
+    string is taken to follow the last's)."""
     tokens = [token_text(tokenizer, t) for t in token_ids]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
+    offsets = starts
+    if offsets is None:
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
     tops = None
     if top is not None:
         tops = [{token_text(tokenizer, t): lp for t, lp in alts.items()} for alts in top]
@@ -51,8 +57,5 @@ def chat_logprobs(
 
 def _top(tokenizer: Tokenizer | None, token_id: int, logprob: float) -> TopLogprob:
     text = token_text(tokenizer, token_id)
-    return TopLogprob(text, logprob, _utf8(text))
-
-
-def _utf8(text: str) -> list[int] | None:
-    return None if "\ufffd" in text else list(text.encode())
+    raw = None if tokenizer is None else tokenizer.token_bytes(token_id)
+    return TopLogprob(text, logprob, list(text.encode() if raw is None else raw))

@@ -35,6 +35,12 @@ def error_middleware(max_body_bytes: int) -> Handler:
             if exc.status < 400:
                 raise
             return _from_http(request, exc, max_body_bytes).response(_kept_headers(exc))
+        except ConnectionResetError:
+            # the client left (mid-body, say): nobody reads an answer
+            log.info("http.client_gone", method=request.method, path=request.path)
+            return ApiError(
+                400, "the connection closed before the request's body arrived"
+            ).response()
         except Exception:
             log.exception("http.error", method=request.method, path=request.path)
             message = "internal server error; the server log has the details"

@@ -7,6 +7,7 @@ constraints, such as its context length, where a field names one."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,8 @@ class Route:
     """One endpoint. `answer` is the JSON body of a 200, a Struct or any
     type msgspec can describe (None: `media` text); `events` is the body of
     each server-sent event that `stream: true` answers instead (sse.py);
-    `open` routes need no API key."""
+    `open` routes need no API key; `match` is aiohttp's path where it
+    differs from the described one (a pattern for a parameter)."""
 
     method: str
     path: str
@@ -38,6 +40,7 @@ class Route:
     media: str = "application/json"
     events: type | None = None
     open: bool = False
+    match: str | None = None
 
 
 def openapi_spec(
@@ -48,6 +51,8 @@ def openapi_spec(
     _, components = msgspec.json.schema_components([*types, ErrorBody], ref_template=REF)
     for name, rules in SCHEMA_RULES.items():
         _merge(components[name], rules)
+    for kind in {r.body for r in routes if _is_struct(r.body)}:
+        _nullable(components[kind.__name__])
     components = _bind(components, served)
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
@@ -65,6 +70,12 @@ def openapi_spec(
 
 def _operation(route: Route, secured: bool) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": route.summary, "responses": _responses(route)}
+    names = re.findall(r"\{(\w+)\}", route.path)
+    if names:
+        string = {"type": "string"}
+        op["parameters"] = [
+            {"name": n, "in": "path", "required": True, "schema": string} for n in names
+        ]
     if route.body is not None:
         op["requestBody"] = {"required": True, "content": _content(route.body)}
     if secured and not route.open:
@@ -112,6 +123,22 @@ def _merge(schema: dict[str, Any], rules: dict[str, Any]) -> None:
             schema["properties"].update(value)
         else:
             schema[key] = value
+
+
+def _nullable(schema: dict[str, Any]) -> None:
+    """A request body's optional fields also take null, which means their
+    default (schemas.read_json)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema["properties"].items():
+        if name not in required and not _takes_null(prop):
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}]}
+
+
+def _takes_null(prop: dict[str, Any]) -> bool:
+    kind = prop.get("type")
+    if kind == "null" or (isinstance(kind, list) and "null" in kind):
+        return True
+    return any(_takes_null(p) for p in [*prop.get("anyOf", ()), *prop.get("oneOf", ())])
 
 
 def _bind(schema: Any, served: dict[str, dict[str, Any]]) -> Any:

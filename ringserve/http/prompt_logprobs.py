@@ -36,10 +36,12 @@ def prompt_logprobs_body(
 
 
 def echoed_logprobs(
-    tokenizer: Tokenizer | None, prompt: list[int], judged: Judged, top: int
+    tokenizer: Tokenizer | None, prompt: list[int], judged: Judged, top: int, text: str
 ) -> CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: each token's own
-    logprob and its position's `top` most likely (the first token: null)."""
+    logprob and its position's `top` most likely (the first token: null).
+    `text`: the echoed prompt, which the offsets index (a BOS the tokenizer
+    added begins where the prompt does)."""
     own: list[float | None] = [None]
     tops: list[dict[int, float] | None] = [None]
     for t, alts in zip(prompt[1:], judged[1:], strict=True):
@@ -48,7 +50,8 @@ def echoed_logprobs(
         own.append(alts[t])
         best = sorted(alts.items(), key=lambda kv: -kv[1])[:top]
         tops.append(dict(best))
-    lp = completion_logprobs(tokenizer, prompt, [0.0] * len(prompt), None)
+    starts = None if tokenizer is None else tokenizer.char_starts(text, prompt)
+    lp = completion_logprobs(tokenizer, prompt, [0.0] * len(prompt), None, starts=starts)
     texts = [
         None if alts is None else {token_text(tokenizer, t): v for t, v in alts.items()}
         for alts in tops

@@ -39,15 +39,21 @@ def chat_prompt(
     served: ServedModel,
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
-    **template: Any,
+    variables: dict[str, Any] | None = None,
 ) -> list[int]:
     """The token ids of the conversation rendered with the chat template,
-    ending with the assistant's turn opened; `template` holds more variables
-    for the template (`tools`, `chat_template_kwargs`)."""
+    ending with the assistant's turn opened unless `add_generation_prompt`
+    is off; `variables` holds more for the template (`tools`, the request's
+    `chat_template_kwargs`, which may turn `add_generation_prompt` off too)."""
     tokenizer = _tokenizer(served, "messages")
+    if variables is not None and "messages" in variables:
+        raise bad_request(
+            "chat_template_kwargs may not set messages: send them as messages",
+            param="chat_template_kwargs",
+        )
     rendered = [_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt, **template)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt, variables)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     # The template writes the special tokens itself.
@@ -78,7 +84,9 @@ def _tokenizer(served: ServedModel, param: str) -> Tokenizer:
 
 def _message(message: ChatMessage, i: int) -> dict[str, Any]:
     """A message as the chat template reads it, Hugging Face's shape."""
-    out: dict[str, Any] = {"role": message.role, "content": _content(message, i)}
+    # OpenAI's `developer` messages are what the templates know as `system`
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": _content(message, i)}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls is not None:

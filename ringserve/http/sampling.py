@@ -32,6 +32,8 @@ _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
 _REFUSED_AS = {
     "skip_special_tokens": "skip_special_tokens false",
     "spaces_between_special_tokens": "spaces_between_special_tokens false",
+    "functions": "functions (OpenAI's deprecated form of tools; send tools)",
+    "function_call": "function_call (OpenAI's deprecated form of tool_choice; send tool_choice)",
 }
 
 

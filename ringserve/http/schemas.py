@@ -78,7 +78,7 @@ class SamplingFields(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     seed: Seed | None = None
     stop: Stop = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[PromptId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -151,9 +151,10 @@ class MessageToolCall(Struct, kw_only=True):
 
 
 class ChatMessage(Struct, kw_only=True):
-    """The roles the chat templates served here render."""
+    """The roles the chat templates served here render; OpenAI's
+    `developer` is rendered as `system`."""
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's, OpenAI's shape
@@ -217,6 +218,8 @@ class ChatRequest(SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    functions: Annotated[list[Any], Meta(extra_json_schema=only(None))] | None = None
+    function_call: Annotated[str | dict[str, Any], Meta(extra_json_schema=only(None))] | None = None
     # vLLM's chat extensions: the template's variables, and what is refused by name.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -336,6 +339,8 @@ def unsupported_fields(body: SamplingFields) -> list[str]:
         }
     if isinstance(body, ChatRequest):
         asked |= {
+            "functions": body.functions is not None,
+            "function_call": body.function_call is not None,
             "continue_final_message": body.continue_final_message,
             "chat_template": body.chat_template is not None,
             "documents": body.documents is not None,
@@ -353,9 +358,24 @@ async def read_json(request: web.Request, kind: type[T]) -> T:
     otherwise (a 413 from aiohttp when it is over the size limit)."""
     raw = await request.read()
     try:
-        return msgspec.convert(_whole_numbers(msgspec.json.decode(raw)), kind)
+        decoded = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise invalid_body(exc) from None
+    except UnicodeDecodeError as exc:  # msgspec checks strings' UTF-8 apart
+        raise invalid_body(msgspec.DecodeError(f"it is not UTF-8 ({exc.reason})")) from None
+    try:
+        return msgspec.convert(_whole_numbers(_unset_nulls(decoded)), kind)
+    except msgspec.DecodeError as exc:
+        raise invalid_body(exc) from None
+
+
+def _unset_nulls(body: Any) -> Any:
+    """The body without its top-level fields that are null: OpenAI's
+    optional fields are nullable and a null one takes its default (the
+    official clients send `null` for a parameter given as None)."""
+    if isinstance(body, dict):
+        return {k: v for k, v in body.items() if v is not None}
+    return body
 
 
 def _whole_numbers(value: Any) -> Any:

@@ -10,9 +10,12 @@ skips it for BPE tokenizers, the only kind the served families use.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jinja2
@@ -21,6 +24,20 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in
+    a piece, inverted. Printable bytes stand for themselves; the others are
+    written as the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in chars]
+    chars |= {b: chr(0x100 + i) for i, b in enumerate(others)}
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = MappingProxyType(_byte_alphabet())
 
 
 class Tokenizer:
@@ -84,24 +101,68 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def char_starts(self, text: str, ids: list[int]) -> list[int] | None:
+        """Where each of `ids` begins in `text`, when encoding `text` gives
+        exactly `ids` (None otherwise): a token added by the tokenizer (a
+        BOS) begins where the next one does."""
+        encoding = self.backend.encode(text)
+        if encoding.ids != list(ids):
+            return None
+        starts, reached = [], 0
+        for _, end in encoding.offsets:
+            starts.append(reached)
+            reached = max(reached, end)
+        return starts
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for, also when they are only part of a
+        character (a byte-level piece, a `<0xE2>` byte-fallback piece), which
+        its decoding alone shows as U+FFFD; None for an id out of range."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return None
+        if token_id in self._added:
+            return piece.encode()
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _added(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the decoder maps pieces' characters to bytes (GPT-2's
+        byte-level alphabet)."""
+        return '"ByteLevel"' in json.dumps(json.loads(self.backend.to_str()).get("decoder"))
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
-        **extra: Any,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render `messages` with the model's chat template. Extra keyword
-        arguments (tools, ...) are passed to the template as variables."""
+        """Render `messages` with the model's chat template. `variables`
+        (tools, a template's own switches, ...) reach the template as
+        Hugging Face passes them, and may set `add_generation_prompt` too;
+        never `messages`."""
         if self._template is None:
             raise ValueError(
                 "this model has no chat template (no chat_template in "
                 "tokenizer_config.json): send a plain completion prompt instead"
             )
-        variables = {**self.special_tokens, **extra}
+        variables = dict(variables or {})
+        if "messages" in variables:
+            raise ValueError("the template's variables may not set messages")
+        context = {**self.special_tokens, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **variables
-            )
+            return self._template.render({**context, **variables, "messages": messages})
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
