@@ -47,6 +47,8 @@ from transformers import (
     GPTBigCodeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -274,6 +276,40 @@ def bigcode_mqa(tmp: Path) -> Path:
         eos_token_id=0,
     )
     return _save(GPTBigCodeForCausalLM, cfg, tmp / "bigcode_mqa", seed=14)
+
+
+def bigcode_untied(tmp: Path) -> Path:
+    """GPT-BigCode with its own head (`lm_head.weight`), not the embedding."""
+    cfg = GPTBigCodeConfig(
+        vocab_size=320,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_inner=160,
+        n_positions=MAX_POSITIONS,
+        multi_query=True,
+        activation_function="gelu_pytorch_tanh",
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
+    )
+    return _save(GPTBigCodeForCausalLM, cfg, tmp / "bigcode_untied", seed=15)
+
+
+def mistral_window(tmp: Path, window: int) -> Path:
+    """Mistral whose every layer attends to a sliding window of `window`."""
+    cfg = MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        sliding_window=window,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=INIT_RANGE,
+    )
+    return _save(MistralForCausalLM, cfg, tmp / "mistral_window", seed=16)
 
 
 def _save(model_cls: type, cfg: object, path: Path, *, seed: int, shard: bool = False) -> Path:

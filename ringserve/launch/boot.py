@@ -200,10 +200,17 @@ def default_depth(world: int) -> int:
 
 def build_rank_zero(config: EngineConfig, cfg: ModelConfig, world: int) -> RankZero:
     depth = config.passes_in_flight or default_depth(world)
+    if cfg.context_limit < cfg.max_position_embeddings:
+        log.warning(
+            "model.sliding_window",
+            window=cfg.sliding_window,
+            positions=cfg.max_position_embeddings,
+            note="contexts are served up to the window, within which full attention agrees",
+        )
     allocator = SlotAllocator(config.kv_capacity_tokens)
     scheduler = Scheduler(
         SchedulerConfig.from_engine(
-            config, cfg.max_position_embeddings, depth, busy_passes=min(world, depth)
+            config, cfg.context_limit, depth, busy_passes=min(world, depth)
         ),
         allocator,
         prefix_cache(allocator, config.host_kv_tokens),

@@ -38,6 +38,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
@@ -60,6 +61,15 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return "gpt_bigcode" if self.model_type in BIGCODE_FAMILY else "llama"
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context served: the model's positions, and no longer
+        than a sliding window any layer applies, since ringserve's attention
+        reads every position of the context (within the window both agree)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def q_size(self) -> int:
@@ -96,6 +106,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(cfg),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(cfg, model_type),
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -119,7 +130,7 @@ class ModelConfig:
             intermediate_size=cfg.get("n_inner") or 4 * hidden,
             max_position_embeddings=cfg.get("n_positions", 2048),
             norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-            tie_word_embeddings=True,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -152,6 +163,26 @@ def _ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    """The window of the layers that attend to a sliding window, as
+    transformers reads the config, or None when no layer does: every layer
+    of a Mistral with `sliding_window`; a Qwen2 or Qwen3 only with
+    `use_sliding_window`, on the layers `layer_types` names (without it,
+    those from `max_window_layers` on)."""
+    window = cfg.get("sliding_window")
+    if not window or model_type == "llama":
+        return None
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    if model_type in ("qwen2", "qwen3"):
+        below = cfg.get("max_window_layers", 28)
+        return int(window) if below < cfg["num_hidden_layers"] else None
+    return int(window)
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -1,6 +1,6 @@
 """GPT-BigCode (StarCoder): multi-query attention through one fused c_attn
 (q: hidden, then one head's k and one head's v), learned position embeddings,
-LayerNorm with bias, GELU MLP, head tied to the token embedding."""
+LayerNorm with bias, GELU MLP, head tied to the token embedding (or its own)."""
 
 from __future__ import annotations
 
@@ -100,8 +100,9 @@ class BigCodeLayer(nn.Module):
 
 class GPTBigCodeModel(ModelSlice):
     """Layers `layers` of a GPT-BigCode model (see `ModelSlice`). The first
-    stage owns wte and wpe; the last owns ln_f and the head, which is wte
-    itself when the stage is also first and a copy of it otherwise."""
+    stage owns wte and wpe; the last owns ln_f and the head: `lm_head` of an
+    untied model; of a tied one wte itself when the stage is also first and
+    a copy of it otherwise."""
 
     def __init__(
         self,
@@ -118,7 +119,7 @@ class GPTBigCodeModel(ModelSlice):
         self.wpe = empty_param(cfg.max_position_embeddings, hidden, **p) if self.is_first else None
         self.ln_f_weight = empty_param(hidden, **p) if self.is_last else None
         self.ln_f_bias = empty_param(hidden, **p) if self.is_last else None
-        own_head = self.is_last and not self.is_first
+        own_head = self.is_last and not (cfg.tie_word_embeddings and self.is_first)
         self.lm_head = empty_param(vocab, hidden, **p) if own_head else None
 
     def weight_slots(self) -> dict[str, torch.Tensor]:
@@ -132,7 +133,8 @@ class GPTBigCodeModel(ModelSlice):
             slots["transformer.ln_f.weight"] = self.ln_f_weight
             slots["transformer.ln_f.bias"] = self.ln_f_bias
         if self.lm_head is not None:
-            slots["transformer.wte.weight"] = self.lm_head
+            tied = self.cfg.tie_word_embeddings
+            slots["transformer.wte.weight" if tied else "lm_head.weight"] = self.lm_head
         return slots
 
     def head_weight(self) -> torch.Tensor:

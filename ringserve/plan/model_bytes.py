@@ -82,7 +82,7 @@ def _bigcode_counts(cfg: ModelConfig) -> tuple[int, int, int, int]:
     layer = (h + 1) * qkv + (h + 1) * h + (h + 1) * inner + (inner + 1) * h + 4 * h
     vocab = cfg.vocab_size * h
     embed = vocab + cfg.max_position_embeddings * h  # token and learned position tables
-    return embed, layer, 2 * h + vocab, vocab
+    return embed, layer, 2 * h + vocab, vocab if cfg.tie_word_embeddings else 0
 
 
 def model_bytes_from_dir(model_dir: str | Path, cfg: ModelConfig, dtype: str) -> ModelBytes:
