@@ -339,6 +339,7 @@ LONG_PROMPT = list(range(10, 10 + 600))
 BAD_REQUESTS = {
     "malformed_json": ("/v1/completions", b'{"prompt": "x",', 400, None),
     "not_an_object": ("/v1/completions", b"[1, 2]", 400, None),
+    "number_out_of_range": ("/v1/completions", b'{"prompt": "x", "temperature": 1e400}', 400, None),
     "not_utf8": ("/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, None),
     "wrong_type": ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, 400, "max_tokens"),
     "negative_max_tokens": (

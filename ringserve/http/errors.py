@@ -67,6 +67,8 @@ def invalid_body(exc: msgspec.DecodeError) -> ApiError:
     text = str(exc)
     match = _AT_PATH.search(text)
     param = match.group(1) if match else None
+    if param is not None and "[...]" in param:  # msgspec's placeholder: no field known
+        param = None
     return bad_request(f"invalid request body: {text}", param=param)
 
 
