@@ -280,6 +280,16 @@ def bigcode_mqa(tmp: Path) -> Path:
 
 def bigcode_untied(tmp: Path) -> Path:
     """GPT-BigCode with its own head (`lm_head.weight`), not the embedding."""
+    return _bigcode(tmp / "bigcode_untied", multi_query=True, tie_word_embeddings=False)
+
+
+def bigcode_mha(tmp: Path) -> Path:
+    """GPT-BigCode without multi-query: a K and V head per query head, its
+    c_attn rows laid out head by head."""
+    return _bigcode(tmp / "bigcode_mha", multi_query=False, tie_word_embeddings=True)
+
+
+def _bigcode(path: Path, **options: bool) -> Path:
     cfg = GPTBigCodeConfig(
         vocab_size=320,
         n_embd=64,
@@ -287,12 +297,11 @@ def bigcode_untied(tmp: Path) -> Path:
         n_head=4,
         n_inner=160,
         n_positions=MAX_POSITIONS,
-        multi_query=True,
         activation_function="gelu_pytorch_tanh",
         initializer_range=INIT_RANGE,
-        tie_word_embeddings=False,
+        **options,
     )
-    return _save(GPTBigCodeForCausalLM, cfg, tmp / "bigcode_untied", seed=15)
+    return _save(GPTBigCodeForCausalLM, cfg, path, seed=15)
 
 
 def mistral_window(tmp: Path, window: int) -> Path:

@@ -1,5 +1,5 @@
 """Model configurations beyond the families' common shapes: a GPT-BigCode
-with a head of its own, and sliding-window attention, which ringserve
+with a head of its own or without multi-query, and sliding-window attention, which ringserve
 serves by keeping every context within the window (where full attention
 and the window agree) and never by running past it silently."""
 
@@ -22,14 +22,21 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_an_untied_bigcode_head_is_its_own_matrix(tmp_path):
-    path, prompts, expected = greedy_case(model_factory.bigcode_untied(tmp_path))
+BIGCODES = [model_factory.bigcode_untied, model_factory.bigcode_mha]
+
+
+@pytest.mark.parametrize("make", BIGCODES)
+def test_bigcode_variants_equal_transformers(tmp_path, make):
+    """An untied head is its own matrix; without multi-query, every head
+    has its K and V."""
+    path, prompts, expected = greedy_case(make(tmp_path))
     with LLM(path, **ENGINE_OPTIONS) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
-def test_an_untied_bigcode_head_on_the_last_rank(tmp_path):
-    path = model_factory.bigcode_untied(tmp_path)
+@pytest.mark.parametrize("make", BIGCODES)
+def test_bigcode_variants_on_a_ring(tmp_path, make):
+    path = make(tmp_path)
     prompts, expected = expected_for(path)
     llm = LLM(path, pp_size=2, **RING_OPTIONS)
     try:

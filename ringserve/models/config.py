@@ -115,8 +115,6 @@ class ModelConfig:
 
     @classmethod
     def _from_bigcode(cls, cfg: dict[str, Any]) -> ModelConfig:
-        if not cfg.get("multi_query", True):
-            raise ValueError("gpt_bigcode without multi_query is not supported")
         hidden = cfg["n_embd"]
         heads = cfg["n_head"]
         return cls(
@@ -125,7 +123,7 @@ class ModelConfig:
             hidden_size=hidden,
             num_layers=cfg["n_layer"],
             num_heads=heads,
-            num_kv_heads=1,
+            num_kv_heads=1 if cfg.get("multi_query", True) else heads,
             head_dim=hidden // heads,
             intermediate_size=cfg.get("n_inner") or 4 * hidden,
             max_position_embeddings=cfg.get("n_positions", 2048),

@@ -1,8 +1,11 @@
 """GPT-BigCode (StarCoder): multi-query attention through one fused c_attn
-(q: hidden, then one head's k and one head's v), learned position embeddings,
+(q: hidden, then one head's k and one head's v; without multi-query, every
+head's k and v, reordered so at load), learned position embeddings,
 LayerNorm with bias, GELU MLP, head tied to the token embedding (or its own)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +142,22 @@ class GPTBigCodeModel(ModelSlice):
 
     def head_weight(self) -> torch.Tensor:
         return self.wte if self.lm_head is None else self.lm_head
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """As `ModelSlice.load_state`; without multi-query, c_attn's rows
+        come per head (q, k, v of head 0, then of head 1, ...) and are put in
+        the multi-query order the layers split (every head's q, then k, v)."""
+        super().load_state(tensors)
+        if self.cfg.num_kv_heads == 1:
+            return
+        cfg = self.cfg
+        order = torch.arange(3 * cfg.hidden_size).view(cfg.num_heads, 3, cfg.head_dim)
+        order = order.transpose(0, 1).reshape(-1)
+        with torch.no_grad():
+            for layer in self.layers:
+                for name in ("attn_c_attn_weight", "attn_c_attn_bias"):
+                    param = layer.params[name]
+                    param.copy_(param[order.to(param.device)])
 
     def linear_weight_names(self) -> list[str]:
         names = [f"layers.{j}.params.{w}" for j in range(len(self.layers))

@@ -78,7 +78,7 @@ def _param_counts(cfg: ModelConfig) -> tuple[int, int, int, int]:
 
 def _bigcode_counts(cfg: ModelConfig) -> tuple[int, int, int, int]:
     h, inner = cfg.hidden_size, cfg.intermediate_size
-    qkv = h + 2 * cfg.head_dim  # multi-query: one K and one V head
+    qkv = h + 2 * cfg.kv_size  # multi-query: one K and one V head
     layer = (h + 1) * qkv + (h + 1) * h + (h + 1) * inner + (inner + 1) * h + 4 * h
     vocab = cfg.vocab_size * h
     embed = vocab + cfg.max_position_embeddings * h  # token and learned position tables
