@@ -97,6 +97,22 @@ def llama_gqa(tmp: Path, *, rope_scaling: bool = False) -> Path:
     return path
 
 
+def qwen2_rope(tmp: Path, rope: dict) -> Path:
+    """Qwen2 with the rope parameters `rope` (a scaling's type and terms)."""
+    cfg = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={"rope_theta": 10000.0, **rope},
+        initializer_range=INIT_RANGE,
+    )
+    return _save(Qwen2ForCausalLM, cfg, tmp / f"qwen2_{rope['rope_type']}", seed=17)
+
+
 def llama_deep(tmp: Path) -> Path:
     """An 8-layer Llama (otherwise tiny), deep enough for an uneven plan."""
     cfg = LlamaConfig(

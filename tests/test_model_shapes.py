@@ -64,6 +64,34 @@ def test_a_sliding_window_bounds_the_context(tmp_path):
             llm.generate([[7] * window], GREEDY)
 
 
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 3.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 48,
+        "mscale": 0.9,
+        "mscale_all_dim": 0.5,
+        "beta_fast": 16,
+        "truncate": False,
+    },
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rope_scalings_equal_transformers(tmp_path, rope):
+    """Prompts past the pretrained context of the scaled kinds too."""
+    path, prompts, expected = greedy_case(model_factory.qwen2_rope(tmp_path, ROPES[rope]))
+    with LLM(path, **ENGINE_OPTIONS) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_a_rope_scaling_not_served_is_refused_by_name():
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        ModelConfig.from_dict({**MISTRAL, "rope_scaling": {"rope_type": "dynamic", "factor": 2}})
+
+
 MISTRAL = {"model_type": "mistral", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 4,
            "num_attention_heads": 2, "intermediate_size": 8, "max_position_embeddings": 32768}  # fmt: skip
 

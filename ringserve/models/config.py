@@ -17,6 +17,7 @@ LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
 BIGCODE_FAMILY = {"gpt_bigcode"}
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ROPE_SCALINGS = ("llama3", "linear", "yarn")  # the rope_type values served (models/rope.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +198,14 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
-    return dict(scaling)
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported (only {', '.join(ROPE_SCALINGS)})"
+        )
+    out = {**scaling, "rope_type": kind}
+    if kind == "yarn":  # the pretrained context, where transformers finds it
+        pretrained = cfg.get("original_max_position_embeddings")
+        if pretrained is None:
+            pretrained = scaling.get("original_max_position_embeddings")
+        out["original_max_position_embeddings"] = pretrained or cfg.get("max_position_embeddings")
+    return out

@@ -1,8 +1,9 @@
 """Rotary position embedding (RoPE) of the Llama family.
 
-The inverse frequencies are computed once per model, with Llama-3 style
-frequency scaling applied when the config asks for it; cos/sin are computed
-once per forward from the pass's positions and shared by every layer.
+The inverse frequencies are computed once per model, with the frequency
+scaling the config asks for (`llama3`, `linear` or `yarn`, as transformers
+computes them; YaRN also scales cos and sin); cos/sin are computed once per
+forward from the pass's positions and shared by every layer.
 """
 
 from __future__ import annotations
@@ -15,15 +16,22 @@ from torch import nn
 from ringserve.models.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, as transformers computes
-    them (default RoPE, or `_compute_llama3_parameters` for rope_type llama3)."""
+def rope_parameters(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """[head_dim / 2] float32 inverse frequencies and the factor cos and
+    sin are scaled by, as transformers computes them for the config's
+    rope_type (default, llama3, linear or yarn)."""
     dim = cfg.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
-    if cfg.rope_scaling is None:
-        return inv_freq
-    return _llama3_scaled(inv_freq, cfg.rope_scaling)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    if kind == "llama3":
+        return _llama3_scaled(inv_freq, scaling), 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    return _yarn(cfg, scaling)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -43,6 +51,40 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn(cfg: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: dimensions that turn many times within the pretrained context
+    keep their frequency, those that turn less than once are interpolated by
+    `factor`, a linear ramp between; cos and sin grow with log(factor)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    pretrained = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = cfg.max_position_embeddings / pretrained if factor is None else float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(pretrained / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp  # the share of each dimension's own frequency
+    inv_freq = (1.0 / (factor * freqs)) * (1 - keep) + (1.0 / freqs) * keep
+    return inv_freq, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the model's inverse frequencies (a non-persistent buffer, so it
     follows the module's device); `cos_sin` turns positions into the
@@ -50,7 +92,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        inv_freq, self.scale = rope_parameters(cfg)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -60,9 +103,11 @@ class RotaryEmbedding(nn.Module):
         # Angles in float32 whatever the model dtype, then cast, as the reference does.
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:  # YaRN's attention factor
+            cos, sin = cos * self.scale, sin * self.scale
         sin[:, : freqs.shape[1]].neg_()
-        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
