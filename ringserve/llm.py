@@ -13,7 +13,7 @@ from ringserve.launch.local_ring import LocalRing
 from ringserve.launch.progress import GenerateBar
 from ringserve.models.builtin import builtin_model_dir
 from ringserve.models.hub import resolve_model
-from ringserve.params import RequestOutput, SamplingParams
+from ringserve.params import MAX_SEED, RequestOutput, SamplingParams
 from ringserve.plan.sizing import size_ring
 
 Prompt = str | Sequence[int]
@@ -64,14 +64,16 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order; `use_tqdm` shows a
-        progress bar on stderr as vLLM does. Raises RuntimeError naming the
-        cause when the ring fails underneath."""
-        prompts = _as_prompt_list(prompts)
-        per_prompt = _per_prompt(params, len(prompts))
+        """One RequestOutput per prompt, in prompt order. A prompt is a
+        string, a list of token ids, or vLLM's `{"prompt": text}` or
+        `{"prompt_token_ids": ids}`. `use_tqdm` shows a progress bar on
+        stderr as vLLM does. Raises RuntimeError naming the cause when the
+        ring fails underneath."""
+        prompts = [_prompt_form(p) for p in _as_prompt_list(prompts)]
+        per_prompt = _per_prompt(sampling_params, len(prompts))
         ids = [self._encode(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         return self._generate(ids, per_prompt, texts, use_tqdm)
@@ -90,7 +92,7 @@ class LLM:
         messages) or of each of several, rendered with the model's chat
         template; `tools` (OpenAI's function list) and `chat_template_kwargs`
         reach the template as Hugging Face passes them."""
-        conversations = _as_conversations(messages)
+        conversations = [[_message(m) for m in c] for c in _as_conversations(messages)]
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: LLM.chat needs its chat template")
         extra: dict[str, Any] = {} if tools is None else {"tools": tools}
@@ -134,7 +136,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return list(prompt)
 
     def close(self) -> None:
         if self._ring is not None:
@@ -149,13 +151,60 @@ class LLM:
         self.close()
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Any]:
+    if isinstance(prompts, str | dict):
         return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes | bytearray):
+        raise TypeError(f"prompts must be a prompt or a list of them, not {type(prompts).__name__}")
     items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
+    if items and all(_is_id(t) for t in items):
         return [items]
     return items
+
+
+def _prompt_form(prompt: Any) -> Prompt:
+    """A string or a list of token ids, from any form `generate` takes."""
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"}:
+            prompt = prompt["prompt"]
+        elif keys == {"prompt_token_ids"}:
+            prompt = prompt["prompt_token_ids"]
+        else:
+            raise ValueError(
+                "a prompt dict holds exactly one of 'prompt' (text) and 'prompt_token_ids', "
+                f"not {sorted(keys)}"
+            )
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+        bad = next((t for t in prompt if not _is_id(t)), None)
+        if bad is None:
+            return list(prompt)
+        raise TypeError(f"prompt token ids must be integers, got {bad!r}")
+    raise TypeError(
+        "a prompt is a string, a list of token ids, or a dict with 'prompt' or "
+        f"'prompt_token_ids', not {type(prompt).__name__}"
+    )
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as the chat templates read it, from OpenAI's shape too:
+    `developer` is `system`, content given as parts is their text."""
+    out = dict(message)
+    if out.get("role") == "developer":
+        out["role"] = "system"
+    content = out.get("content")
+    if isinstance(content, list):
+        kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+        if any(k != "text" for k in kinds):
+            raise ValueError(f"message content parts must be text parts, got {kinds}")
+        out["content"] = "".join(p.get("text") or "" for p in content)
+    return out
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
@@ -171,11 +220,13 @@ def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[C
 
 def _choices(params: SamplingParams) -> list[SamplingParams]:
     """The `n` requests of one prompt; choice i of a seeded one uses seed + i
-    (as the HTTP API does), so the choices differ and replay alike."""
+    (as the HTTP API does; past MAX_SEED it wraps to 0), so the choices
+    differ and replay alike."""
     if params.n == 1:
         return [params]
+    seed = params.seed
     return [
-        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        dataclasses.replace(params, n=1, seed=None if seed is None else (seed + i) & MAX_SEED)
         for i in range(params.n)
     ]
 
@@ -187,7 +238,14 @@ def _per_prompt(
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, Sequence):
+        raise TypeError(
+            f"sampling_params must be SamplingParams or a list, not {type(params).__name__}"
+        )
     params = list(params)
     if len(params) != n:
         raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise TypeError(f"sampling_params must be SamplingParams, not {type(bad).__name__}")
     return params

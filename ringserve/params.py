@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json as _json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOP_K = (1 << 31) - 1  # the sampler's tensors hold it; past the vocabulary it keeps all
 MAX_LOGIT_BIAS = 100.0  # a bias is clamped to [-100, 100], as OpenAI and vLLM clamp it
+MAX_SEED = (1 << 63) - 1  # a seed fits a signed 64-bit integer
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,71 +108,82 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop_token_ids, list):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if isinstance(self.stop, str | list):
-            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-            object.__setattr__(self, "stop", stop)
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be >= 1")
-        _check(self.temperature >= 0, "temperature must be >= 0")
-        _check(
-            self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K,
-            f"top_k must be -1 (off) or in [1, {MAX_TOP_K}]",
-        )
-        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]")
-        _check(self.seed is None or self.seed >= 0, "seed must be >= 0")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
-        )
-        _check(
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
-            f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
-        )
-
+        """Every field checked for its type and range (a ValueError that
+        begins with the field's name); lists become tuples, a lone stop
+        string or bad word a tuple of one, `top_k <= 0` is -1, a dict of
+        structured outputs their params."""
+        _int("max_tokens", self.max_tokens, low=1)
+        _number("temperature", self.temperature, low=0)
+        _int("top_k", self.top_k, high=MAX_TOP_K)
+        if self.top_k <= 0:
+            object.__setattr__(self, "top_k", -1)
+        _number("top_p", self.top_p, high=1)
+        _check(self.top_p > 0, "top_p must be in (0, 1]")
+        _number("min_p", self.min_p, low=0, high=1)
+        if self.seed is not None:
+            _int("seed", self.seed, low=0, high=MAX_SEED)
+        self._tuple("stop_token_ids", lambda t: _is_int(t) and t >= 0, "token ids >= 0")
+        self._tuple("stop", lambda s: isinstance(s, str) and s != "", "non-empty strings", one=str)
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos must be true or false")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), low=0, high=MAX_TOP_LOGPROBS)
         self._check_logits_processing()
 
     def _check_logits_processing(self) -> None:
-        if isinstance(self.bad_words, str | list):
-            words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
-            object.__setattr__(self, "bad_words", words)
-        if isinstance(self.allowed_token_ids, list):
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        if isinstance(self.bad_words_token_ids, list):
-            ids = tuple(tuple(w) for w in self.bad_words_token_ids)
-            object.__setattr__(self, "bad_words_token_ids", ids)
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]")
+        _number("presence_penalty", self.presence_penalty, low=-2, high=2)
+        _number("frequency_penalty", self.frequency_penalty, low=-2, high=2)
+        _number("repetition_penalty", self.repetition_penalty)
         _check(self.repetition_penalty > 0, "repetition_penalty must be > 0")
         if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias must map token ids to biases")
             _check(
-                all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                all(_is_int(t) and t >= 0 for t in self.logit_bias),
                 "logit_bias keys must be token ids >= 0",
             )
+            for bias in self.logit_bias.values():
+                _number("logit_bias", bias)
             clamped = {
                 int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b)))
                 for t, b in self.logit_bias.items()
             }
             object.__setattr__(self, "logit_bias", clamped)
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0")
+        _int("min_tokens", self.min_tokens, low=0)
         _check(self.min_tokens <= self.max_tokens, "min_tokens must be at most max_tokens")
-        _check(
-            self.allowed_token_ids is None
-            or (len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
-            "allowed_token_ids must be a non-empty list of token ids >= 0",
-        )
-        _check(
-            all(isinstance(w, str) and w for w in self.bad_words),
-            "bad_words must be non-empty strings",
-        )
-        _check(isinstance(self.n, int) and self.n >= 1, "n must be >= 1")
-        if isinstance(self.structured_outputs, dict):
-            object.__setattr__(
-                self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs)
+        if self.allowed_token_ids is not None:
+            self._tuple("allowed_token_ids", lambda t: _is_int(t) and t >= 0, "token ids >= 0")
+            _check(
+                len(self.allowed_token_ids) > 0,
+                "allowed_token_ids must be a non-empty list of token ids >= 0",
             )
+        self._tuple(
+            "bad_words", lambda w: isinstance(w, str) and w != "", "non-empty strings", one=str
+        )
+        if isinstance(self.bad_words_token_ids, list):
+            ids = tuple(tuple(w) for w in self.bad_words_token_ids)
+            object.__setattr__(self, "bad_words_token_ids", ids)
+        _int("n", self.n, low=1)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                so = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+            object.__setattr__(self, "structured_outputs", so)
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be StructuredOutputsParams or a dict of its fields",
+        )
+
+    def _tuple(self, name: str, valid: Any, what: str, one: type | None = None) -> None:
+        """The field as a tuple (`one`: a lone value of that type is a tuple
+        of one), each item valid."""
+        value = getattr(self, name)
+        if one is not None and isinstance(value, one):
+            value = (value,)
+        _check(isinstance(value, list | tuple), f"{name} must be a list of {what}")
+        _check(all(valid(v) for v in value), f"{name} must be a list of {what}")
+        object.__setattr__(self, name, tuple(value))
 
     @property
     def penalized(self) -> bool:
@@ -193,6 +206,28 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bounds(low: float | None, high: float | None) -> str:
+    if low is not None and high is not None:
+        return f" in [{low}, {high}]"
+    return f" >= {low}" if low is not None else f" <= {high}" if high is not None else ""
+
+
+def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    ok = _is_int(value)
+    ok = ok and (low is None or value >= low) and (high is None or value <= high)  # type: ignore[operator]
+    _check(ok, f"{name} must be an integer{_bounds(low, high)}, got {value!r}")
+
+
+def _number(name: str, value: object, low: float | None = None, high: float | None = None) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low is None or value >= low) and (high is None or value <= high)  # type: ignore[operator]
+    _check(ok, f"{name} must be a finite number{_bounds(low, high)}, got {value!r}")
 
 
 @dataclass(slots=True)

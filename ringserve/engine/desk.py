@@ -99,7 +99,9 @@ class RequestDesk:
                 params=params,
                 seed=req.spec.seed,
             )
-        handle = RequestHandle(req, TextStream(self.tokenizer, params.stop, stream_text))
+        handle = RequestHandle(
+            req, TextStream(self.tokenizer, params.stop, stream_text, params.min_tokens)
+        )
         self.handles[req.req_id] = handle
         self.metrics.requests_total += 1
         self.metrics.prompt_tokens += len(prompt)

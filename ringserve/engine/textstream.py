@@ -13,9 +13,17 @@ class TextStream:
     strings decodes once, at the end, to the same text."""
 
     def __init__(
-        self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = (), incremental: bool = True
+        self,
+        tokenizer: Tokenizer | None,
+        stop: tuple[str, ...] = (),
+        incremental: bool = True,
+        min_tokens: int = 0,
     ) -> None:
+        """Stop strings are looked for from the `min_tokens`-th token on, as
+        vLLM does (text before it is released as it comes)."""
         self._tokenizer = tokenizer
+        self._min_tokens = min_tokens
+        self._pushed = 0
         self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self._deferred: list[int] | None = None if incremental or stop else []
         self._stop = stop
@@ -30,7 +38,12 @@ class TextStream:
         if self._deferred is not None:
             self._deferred.append(token_id)
             return ""
+        self._pushed += 1
         self._held += self._decoder.push(token_id)
+        if self._pushed < self._min_tokens:  # no stop string counts yet
+            delta, self._held = self._held, ""
+            self.text += delta
+            return delta
         return self._release(final=False)
 
     def finish(self) -> str:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import structlog
+import torch.distributed
 import uvloop
 
 from ringserve.config import EngineConfig
@@ -45,6 +46,11 @@ class LocalRing:
     ) -> None:
         if config.layer_split is None:
             raise ValueError("a local ring needs its layer split (plan/sizing.size_ring)")
+        if pp_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError(
+                "this process already runs a ring of several ranks (torch.distributed's one "
+                "process group): close that LLM first"
+            )
         self.config = config
         port = free_port()
         self.specs = [RankSpec(r, pp_size, "127.0.0.1", port) for r in range(pp_size)]
@@ -82,6 +88,10 @@ class LocalRing:
                 self._ready.set_exception(exc)
             log.error("rank0.stopped", error=repr(exc))
         finally:
+            left = asyncio.all_tasks(self.loop)  # requests of a generate cut short
+            for task in left:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
 
@@ -128,8 +138,23 @@ class LocalRing:
     ) -> list[RequestOutput]:
         """`on_done`, when given, is called (on rank 0's loop thread) with
         each output as its request finishes."""
-        work = self._generate(prompts, params, on_done)
-        return asyncio.run_coroutine_threadsafe(work, self.loop).result()
+        if self._closed or not self._thread.is_alive():
+            raise RuntimeError("this LLM is closed")
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate(prompts, params, on_done), self.loop
+        )
+        try:
+            while True:
+                try:
+                    return future.result(timeout=0.5)
+                except concurrent.futures.TimeoutError:
+                    if not self._thread.is_alive():
+                        raise RuntimeError("this LLM was closed while generating") from None
+        except concurrent.futures.CancelledError:  # closed from another thread
+            raise RuntimeError("this LLM was closed while generating") from None
+        except BaseException:  # KeyboardInterrupt too: the requests are aborted
+            future.cancel()
+            raise
 
     async def _generate(
         self,

@@ -1,0 +1,160 @@
+"""The offline API as a user coming from vLLM uses it: sampling parameters
+refused by field when mistyped (never reaching the ring), vLLM's prompt
+forms, chat messages in OpenAI's shape, Ctrl-C and close() in the middle of
+a generate, stop strings after min_tokens, and one ring per process."""
+
+from __future__ import annotations
+
+import _thread
+import math
+import threading
+import time
+
+import pytest
+
+from ringserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+MESSAGES = [{"role": "user", "content": "Tell me about foxes."}]
+
+MISTYPED = {
+    "seed": 1.5,
+    "logprobs": True,
+    "top_k": 2.5,
+    "temperature": "0.5",
+    "top_p": None,
+    "max_tokens": True,
+    "ignore_eos": "yes",
+    "n": 1.0,
+    "stop": 5,
+    "stop_token_ids": ["a"],
+    "logit_bias": [1, 2],
+    "structured_outputs": "json",
+}
+
+
+@pytest.mark.parametrize("field", list(MISTYPED))
+def test_a_mistyped_parameter_is_refused_by_name(field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: MISTYPED[field]})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seed", 2**70),
+        ("logprobs", 2.5),
+        ("prompt_logprobs", 99),
+        ("presence_penalty", math.inf),
+        ("logit_bias", {5: math.nan}),
+        ("structured_outputs", {"foo": 1}),
+    ],
+)
+def test_a_value_out_of_its_range_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_top_k_zero_is_off_and_lists_become_tuples():
+    params = SamplingParams(top_k=0, stop="x", stop_token_ids=[3], bad_words="y")
+    assert params.top_k == -1
+    assert params.stop == ("x",) and params.stop_token_ids == (3,) and params.bad_words == ("y",)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(max_batch=8) as llm:
+        yield llm
+
+
+def test_vllms_prompt_forms_give_the_same_output(llm):
+    (plain,) = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)
+    forms = [{"prompt": "Once upon a time"}, {"prompt_token_ids": plain.prompt_token_ids}]
+    outs = llm.generate(forms, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [plain.token_ids] * 2
+    assert outs[0].prompt == "Once upon a time"
+
+
+@pytest.mark.parametrize(
+    "prompt", [b"abc", [[5, 1.9]], [[5, True]], {"prompt": "x", "extra": 1}, 42]
+)
+def test_a_prompt_of_no_known_form_is_refused(llm, prompt):
+    with pytest.raises((TypeError, ValueError)):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert llm.generate(["still serving"], GREEDY, use_tqdm=False)[0].token_ids
+
+
+def test_chat_takes_openais_message_shapes(llm):
+    plain = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    shaped = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        *MESSAGES,
+    ]  # fmt: skip
+    (want,) = llm.chat(plain, GREEDY, use_tqdm=False)
+    (got,) = llm.chat(shaped, GREEDY, use_tqdm=False)
+    assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids
+    with pytest.raises(ValueError, match="text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], GREEDY, use_tqdm=False)
+
+
+def test_stop_strings_count_from_min_tokens_on(llm):
+    (free,) = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)
+    stop = free.text[:1]
+    assert stop, free
+    (early,) = llm.generate(["Once upon a time"], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, stop=stop), use_tqdm=False)  # fmt: skip
+    assert early.finish_reason == "stop" and early.text == ""
+    (late,) = llm.generate(["Once upon a time"], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, stop=stop, min_tokens=4), use_tqdm=False)  # fmt: skip
+    assert len(late.token_ids) >= 4 and late.text.startswith(free.text[:1])
+
+
+def _long_work(llm: LLM) -> None:
+    long = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    llm.generate([f"story {i}" for i in range(32)], long, use_tqdm=False)  # a minute or more
+
+
+def test_ctrl_c_in_generate_aborts_its_requests(llm):
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _long_work(llm)
+    assert time.monotonic() - began < 10, "the interrupt waited for the work to end"
+    scheduler = llm._ring.conductor.scheduler
+    deadline = time.monotonic() + 3
+    while not scheduler.idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.idle, "the interrupted requests still run"
+    began = time.monotonic()
+    assert llm.generate(["after"], GREEDY, use_tqdm=False)[0].token_ids
+    assert time.monotonic() - began < 5
+
+
+def test_close_from_another_thread_ends_a_generate():
+    llm = LLM(max_batch=8)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            _long_work(llm)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    time.sleep(0.5)
+    llm.close()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "generate outlived close()"
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(["x"], GREEDY, use_tqdm=False)
+
+
+def test_one_ring_of_several_ranks_per_process():
+    with LLM(pp_size=2, max_batch=4) as first:
+        with pytest.raises(RuntimeError, match="close that LLM first"):
+            LLM(pp_size=2)
+        assert first.generate(["still"], GREEDY, use_tqdm=False)[0].token_ids
