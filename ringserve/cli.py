@@ -8,11 +8,12 @@ code 2; `--debug` shows the traceback instead."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from ringserve.benchmark.options import add_arguments as bench_args
 from ringserve.config import (
@@ -249,9 +250,45 @@ def _speculative_config(text: str) -> dict[str, object]:
     return speculative_options(json_object(text, "--speculative-config"))
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _check_launch(args: argparse.Namespace) -> None:
+    """What the launcher's own options must be, before anything starts."""
+    _check_pp(args)
+    for flag, port in (("--port", args.port), ("--master-port", args.master_port)):
+        if port is not None and not 1 <= port <= 65535:
+            raise UserError(f"{flag} {port} is not a TCP port (1-65535)")
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes {args.nnodes}: a ring runs on at least one node")
     if args.nnodes > 1 and args.master_port is None:
         raise UserError("--master-port is required with --nnodes > 1")
+    for flag, value in (
+        ("--api-key", args.api_key),
+        ("--served-model-name", args.served_model_name),
+    ):
+        if value is not None and not value.strip():
+            raise UserError(f"{flag} is empty: give one, or leave the option out")
+    if args.log_dir is not None:
+        try:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--log-dir {args.log_dir}: {exc.strerror}") from None
+        if not os.access(args.log_dir, os.W_OK):
+            raise UserError(f"--log-dir {args.log_dir}: not writable")
+    from ringserve.ring.faults import ENV_VAR, FaultPlan
+
+    for rank in range(max(args.pp, 1)):
+        try:
+            FaultPlan.from_env(rank)
+        except ValueError as exc:
+            raise UserError(f"{ENV_VAR}: {exc}") from None
+
+
+def _check_pp(args: argparse.Namespace) -> None:
+    if args.pp < 1:
+        raise UserError(f"--pp {args.pp}: a ring has at least one rank")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    _check_launch(args)
     if args.node_rank == 0:
         _check_port_free(args.host, args.port)
     budgets, config = _budgets(args), _config(args)  # mistakes found before torch loads
@@ -290,7 +327,7 @@ def _sized_for_node(
     others (launch/exchange.py); and the exchange, which node 0 keeps
     serving while its launcher runs."""
     from ringserve.launch.exchange import RingExchange
-    from ringserve.launch.launcher import say
+    from ringserve.logs import say
     from ringserve.plan.sizing import placement, resolve_device, size_ring
 
     if node.nnodes == 1:
@@ -328,12 +365,13 @@ def _measured(config: EngineConfig, node: NodeSpec) -> list[int]:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    _check_pp(args)
     budgets, config = _budgets(args), _config(args)
     from ringserve.plan.sizing import placement, size_ring
 
     sized, plan = size_ring(config, args.pp, budgets)
     if plan is None:
-        raise UserError("plan needs --rank-memory-mib")
+        raise UserError("a plan is made from budgets: drop --layer-split (the planner picks it)")
     print(_devices(placement(sized.device, args.pp)))
     print(plan.table())
     return 0
@@ -355,8 +393,19 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake on the command line is one line and exit 2, as every other
+    refusal is (argparse's own would print the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = f"`{self.prog} --help` lists the options"
+        if "expected one argument" in message:
+            hint += "; a value that begins with '-' goes after '=', e.g. --layer-split=-1,5"
+        self.exit(2, f"ringserve: {message} ({hint})\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ringserve", description=__doc__)
+    p = _Parser(prog="ringserve", description=__doc__)
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     debug = argparse.ArgumentParser(add_help=False)  # `--debug` after the subcommand too
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)

@@ -159,6 +159,18 @@ class EngineConfig:
             raise ValueError("max_waiting_requests must be >= 1")
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError("queue_timeout_s must be > 0 (leave it out for no timeout)")
+        self._check_budgets()
+
+    def _check_budgets(self) -> None:
+        for name in ("max_tokens_per_pass", "chunk_size", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "passes_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (leave it out for the default), got {value}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
 
     def _check_speculative(self) -> None:
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
@@ -215,6 +227,12 @@ def speculative_options(spec: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(spec) - set(names))
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(names)}")
+    kinds = {"method": str, "model": str}  # the rest are counts
+    for key, value in spec.items():
+        kind = kinds.get(key, int)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            noun = "a string" if kind is str else "an integer"
+            raise ValueError(f"speculative_config: {key} must be {noun}, got {value!r}")
     options = {names[k]: v for k, v in spec.items()}
     if options.get("speculative") == "draft_model":
         options["speculative"] = "draft"

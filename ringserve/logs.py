@@ -247,6 +247,17 @@ def configure(
     return Path(log_dir) / f"rank{rank}.jsonl" if log_dir is not None else None
 
 
+def say(text: str) -> None:
+    """One `ringserve: ...` line on stderr, written in one call so that the
+    console thread's lines never land inside it (print writes the text and
+    its newline apart)."""
+    try:
+        sys.stderr.write(f"ringserve: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed
+        pass
+
+
 def tracing() -> bool:
     """Whether debug events are kept now (a JSON log is open, or the console
     shows debug). Ask once when building an object that logs per pass."""

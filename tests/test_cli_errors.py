@@ -5,6 +5,7 @@ as a subprocess, all of them at once."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -27,6 +28,8 @@ def unknown_family(tmp) -> str:
 
 
 def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -68,6 +71,33 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 ["plan", "--pp", "2", "--device", "cpu,cpu,cpu"],
                 "3 devices given for 2 ranks",
             ),
+            "port out of range": (["launch", "--port", "99999"], "--port 99999 is not a TCP port"),
+            "empty chunk": (["launch", "--chunk-size", "0"], "chunk_size must be >= 1"),
+            "no pass in flight": (
+                ["launch", "--passes-in-flight", "0"],
+                "passes_in_flight must be >= 1",
+            ),
+            "context of no tokens": (
+                ["launch", "--max-model-len", "-1"],
+                "max_model_len must be >= 1",
+            ),
+            "no nodes": (["launch", "--nnodes", "0"], "--nnodes 0"),
+            "no ranks": (["plan", "--pp", "0"], "--pp 0"),
+            "empty api key": (["launch", "--api-key="], "--api-key is empty"),
+            "log dir is a file": (["launch", "--log-dir", str(afile)], f"--log-dir {afile}"),
+            "mistyped speculative config": (
+                [
+                    "launch",
+                    "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": "x"}',
+                ],
+                "num_speculative_tokens must be an integer",
+            ),
+            "negative list without =": (
+                ["launch", "--layer-split", "-1,5"],
+                "expected one argument",
+            ),
+            "unknown option": (["launch", "--bogus"], "unrecognized arguments: --bogus"),
         }
         if not torch.cuda.is_available():
             cases["no GPU"] = (
@@ -105,3 +135,16 @@ def test_debug_shows_the_traceback(tmp_path):
     )
     assert done.returncode != 0
     assert "Traceback" in done.stderr and "UserError: model" in done.stderr
+
+
+def test_fault_rules_that_do_not_parse_are_one_line_and_exit_2():
+    done = subprocess.run(
+        [sys.executable, "-m", "ringserve", "launch", "--pp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RINGSERVE_FAULTS": "bogus"},
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ringserve: RINGSERVE_FAULTS"), done.stderr

@@ -95,17 +95,19 @@ class CpuKernels:
         build exists; None (with the reason logged) when they cannot be had."""
         compiler = shutil.which(os.environ.get("CC", "cc"))
         if compiler is None:
-            log.info("cpu_kernels.torch", reason="no C compiler ($CC or cc) on PATH")
+            log.warning("cpu_kernels.torch", reason="no C compiler ($CC or cc) on PATH")
             return None
         try:
             target = march or os.environ.get("RINGSERVE_CPU_MARCH") or "native"
             path = _build(compiler, cache_dir or _cache_dir(), (f"-march={target}",))
             kernel = cls(ctypes.CDLL(str(path)))
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-            log.info("cpu_kernels.torch", reason=f"the kernel did not build: {exc}")
+            log.warning("cpu_kernels.torch", reason=f"the kernel did not build: {exc}")
             return None
         if not kernel.lanes:
-            log.info("cpu_kernels.torch", reason="the target has neither AVX-512 nor AVX2 with FMA")
+            log.warning(
+                "cpu_kernels.torch", reason="the target has neither AVX-512 nor AVX2 with FMA"
+            )
             return None
         log.info("cpu_kernels.native", library=str(path), lanes=kernel.lanes)
         return kernel

@@ -4,12 +4,12 @@ starting ranks (offline LLM, launcher, rank processes)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import structlog
 import torch
 
+from ringserve import logs
 from ringserve.cache.allocator import SlotAllocator
 from ringserve.cache.host_pool import HostPool
 from ringserve.cache.pool import KVPool
@@ -146,11 +146,9 @@ def report_loaded(stage: Stage) -> None:
     """One line per rank on stderr: the launcher's loading progress."""
     runner = stage.runner
     mib = runner.pool.nbytes / 2**20
-    print(
-        f"ringserve: rank {stage.rank} loaded layers {runner.layers.start}-{runner.layers.stop - 1}, "
-        f"KV pool of {runner.pool.capacity} tokens ({mib:.1f} MiB), on {runner.device}",
-        file=sys.stderr,
-        flush=True,
+    logs.say(
+        f"rank {stage.rank} loaded layers {runner.layers.start}-{runner.layers.stop - 1}, "
+        f"KV pool of {runner.pool.capacity} tokens ({mib:.1f} MiB), on {runner.device}"
     )
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -18,6 +17,7 @@ import msgspec
 from ringserve.config import EngineConfig, layer_range
 from ringserve.http.options import HttpOptions
 from ringserve.launch.processes import EXIT_LINK_FAILED, child_command, stop_processes
+from ringserve.logs import say
 from ringserve.ring.topology import RankSpec
 
 
@@ -47,10 +47,6 @@ class NodeSpec:
 # launcher stops every rank itself (SIGTERM: each flushes its log and ends;
 # SIGKILL after `processes.stop_processes`' grace).
 RING_SHUTDOWN_S = 6.0
-
-
-def say(text: str) -> None:
-    print(f"ringserve: {text}", file=sys.stderr, flush=True)
 
 
 class Launcher:

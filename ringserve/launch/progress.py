@@ -4,11 +4,11 @@ over `LLM.generate`."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 from tqdm import tqdm
 
+from ringserve import logs
 from ringserve.params import RequestOutput
 
 LOAD_REPORT_EVERY_S = 2.0  # a rank that loads faster than this prints no progress line
@@ -30,11 +30,9 @@ class LoadProgress:
             return
         self.last = now
         rate = read / max(now - self.began, 1e-9)
-        print(
-            f"ringserve: rank {self.rank} loading weights {100 * read / total:.0f}% "
-            f"({read / 2**30:.2f} of {total / 2**30:.2f} GiB, {rate / 2**20:.0f} MiB/s)",
-            file=sys.stderr,
-            flush=True,
+        logs.say(
+            f"rank {self.rank} loading weights {100 * read / total:.0f}% "
+            f"({read / 2**30:.2f} of {total / 2**30:.2f} GiB, {rate / 2**20:.0f} MiB/s)"
         )
 
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec.rank, spec.world, spec.master_addr, spec.master_port, terms=config.ring_terms()
             )
         except RingMismatch as exc:
-            print(f"ringserve: rank {spec.rank}: {exc}", file=sys.stderr, flush=True)
+            logs.say(f"rank {spec.rank}: {exc}")
             close_group()
             return EXIT_REFUSED
     try:
