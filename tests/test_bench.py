@@ -58,8 +58,11 @@ def test_sharegpt_takes_first_turns_and_drops_short_ones(tmp_path):
     path.write_text(json.dumps(data))
     (req,) = sharegpt_requests(path, 1)
     assert req.prompt == long and req.prompt_len == 11 and req.expected_output_len == 7
-    with pytest.raises(ValueError, match="1 usable conversations, fewer than --num-prompts 2"):
+    with pytest.raises(ValueError, match="1 usable conversations .*, fewer than --num-prompts 2"):
         sharegpt_requests(path, 2)
+    path.write_text(json.dumps({"conversations": data}))  # an object, not a list
+    with pytest.raises(ValueError, match="a ShareGPT file is a list"):
+        sharegpt_requests(path, 1)
 
 
 def test_random_prompts_have_the_asked_lengths():

@@ -98,6 +98,17 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 "expected one argument",
             ),
             "unknown option": (["launch", "--bogus"], "unrecognized arguments: --bogus"),
+            # the benchmark's options are judged before it sends anything
+            "bench percentiles": (
+                ["bench", "--metric-percentiles", "abc"],
+                "--metric-percentiles 'abc'",
+            ),
+            "bench goodput": (["bench", "--goodput", "ttft=200"], "--goodput 'ttft=200'"),
+            "bench result file": (
+                ["bench", "--result-filename", str(tmp_path / "no" / "such" / "r.json")],
+                "--result-filename",
+            ),
+            "bench prompt length": (["bench", "--random-input-len", "-5"], "--random-input-len"),
         }
         if not torch.cuda.is_available():
             cases["no GPU"] = (

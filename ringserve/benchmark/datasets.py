@@ -76,11 +76,17 @@ def sharegpt_requests(
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"--dataset-path {path}: cannot read ShareGPT JSON ({exc})") from None
-    pairs = [
-        (c[0]["value"], c[1]["value"])
-        for entry in data
-        if len(c := entry.get("conversations", [])) >= 2
-    ]
+    shape = 'a list of {"conversations": [{"from": ..., "value": ...}, ...]}'
+    if not isinstance(data, list) or not all(isinstance(e, dict) for e in data):
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is {shape}")
+    try:
+        pairs = [
+            (str(c[0]["value"]), str(c[1]["value"]))
+            for entry in data
+            if len(c := entry.get("conversations") or []) >= 2
+        ]
+    except (KeyError, TypeError, IndexError):
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is {shape}") from None
     random.Random(seed).shuffle(pairs)
     out: list[SampleRequest] = []
     for prompt, reply in pairs:
@@ -95,7 +101,11 @@ def sharegpt_requests(
         out.append(SampleRequest(prompt, prompt_len, reply_len))
         if len(out) == n:
             return out
-    raise ValueError(f"{path} has {len(out)} usable conversations, fewer than --num-prompts {n}")
+    raise ValueError(
+        f"{path} has {len(out)} usable conversations (a prompt of {SHAREGPT_MIN_TOKENS} to "
+        f"{SHAREGPT_MAX_PROMPT} tokens, {SHAREGPT_MAX_TOTAL} with its reply), fewer than "
+        f"--num-prompts {n}"
+    )
 
 
 def _around(rng: random.Random, mean: int, ratio: float) -> int:

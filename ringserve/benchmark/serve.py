@@ -50,6 +50,26 @@ def _check(args: argparse.Namespace) -> None:
     unknown = set(args.percentile_metrics.split(",")) - set(METRICS)
     if unknown:
         raise UserError(f"--percentile-metrics: unknown {sorted(unknown)}; known {list(METRICS)}")
+    _percentiles(args.metric_percentiles)
+    parse_goodput(args.goodput)
+    if args.dataset_name == "random" and (args.random_input_len < 1 or args.random_output_len < 1):
+        raise UserError("--random-input-len and --random-output-len must be at least 1")
+    if args.result_filename:  # found unwritable now, not after the run
+        try:
+            with Path(args.result_filename).open("a"):
+                pass
+        except OSError as exc:
+            raise UserError(f"--result-filename {args.result_filename}: {exc.strerror}") from None
+
+
+def _percentiles(text: str) -> list[float]:
+    try:
+        values = [float(p) for p in text.split(",")]
+    except ValueError:
+        raise UserError(f"--metric-percentiles {text!r}: give numbers, e.g. 50,90,99") from None
+    if not all(0 < p <= 100 for p in values):
+        raise UserError(f"--metric-percentiles {text!r}: each must be in (0, 100]")
+    return values
 
 
 async def benchmark(args: argparse.Namespace) -> dict:
@@ -73,7 +93,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
         **summarise(
             results,
             duration,
-            percentiles=[float(p) for p in args.metric_percentiles.split(",")],
+            percentiles=_percentiles(args.metric_percentiles),
             slos=parse_goodput(args.goodput),
             metrics=args.percentile_metrics.split(","),
         ),
@@ -126,9 +146,14 @@ async def _first_model(session: aiohttp.ClientSession, base: str, api_key: str |
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with session.get(base.rstrip("/") + "/v1/models", headers=headers) as resp:
-            models = (await resp.json())["data"]
+            status = resp.status
+            models = (await resp.json())["data"] if status == 200 else None
     except (aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
         raise UserError(f"cannot list the models of {base} ({exc}); is the server up?") from None
+    if status == 401:
+        raise UserError(f"{base} refused the model list (401): give its --api-key")
+    if models is None:
+        raise UserError(f"cannot list the models of {base} (HTTP {status})")
     if not models:
         raise UserError(f"{base} serves no model")
     return models[0]["id"]
