@@ -158,3 +158,13 @@ def test_one_ring_of_several_ranks_per_process():
         with pytest.raises(RuntimeError, match="close that LLM first"):
             LLM(pp_size=2)
         assert first.generate(["still"], GREEDY, use_tqdm=False)[0].token_ids
+
+
+def test_constraints_that_leave_no_token_fail_the_request_in_one_line(llm):
+    params = SamplingParams(
+        max_tokens=4, temperature=0, allowed_token_ids=[5], structured_outputs={"regex": "ab"}
+    )
+    (out,) = llm.generate(["x"], params, use_tqdm=False)
+    reason = out.finish_reason
+    assert reason.startswith("error: token") and "\n" not in reason, reason
+    assert "allowed_token_ids" in reason and len(reason) < 500

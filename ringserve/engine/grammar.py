@@ -167,7 +167,12 @@ class Grammars:
         if matcher is None:
             return None
         if not matcher.consume_token(token):
-            return f"error: token {token} breaks the grammar: {matcher.get_error()}"
+            # the matcher's first line says why; the rest is its statistics
+            why = next(iter((matcher.get_error() or "").splitlines()), "")[:300]
+            return (
+                f"error: token {token} breaks the grammar ({why}); another constraint of the "
+                "request (allowed_token_ids, bad_words, a bias) may leave the grammar no token"
+            )
         return GRAMMAR_STOP if matcher.is_stopped() else None
 
     def masks(self, req_ids: Sequence[int]) -> torch.Tensor:
