@@ -97,19 +97,23 @@ def llama_gqa(tmp: Path, *, rope_scaling: bool = False) -> Path:
     return path
 
 
+# Two layers of hidden 64 with grouped KV heads: the shapes of the models
+# that vary one thing of their family (a rope scaling, a sliding window).
+_SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=MAX_POSITIONS,
+    initializer_range=INIT_RANGE,
+)
+
+
 def qwen2_rope(tmp: Path, rope: dict) -> Path:
     """Qwen2 with the rope parameters `rope` (a scaling's type and terms)."""
-    cfg = Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        rope_parameters={"rope_theta": 10000.0, **rope},
-        initializer_range=INIT_RANGE,
-    )
+    cfg = Qwen2Config(rope_parameters={"rope_theta": 10000.0, **rope}, **_SMALL)
     return _save(Qwen2ForCausalLM, cfg, tmp / f"qwen2_{rope['rope_type']}", seed=17)
 
 
@@ -322,18 +326,8 @@ def _bigcode(path: Path, **options: bool) -> Path:
 
 def mistral_window(tmp: Path, window: int) -> Path:
     """Mistral whose every layer attends to a sliding window of `window`."""
-    cfg = MistralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        sliding_window=window,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        initializer_range=INIT_RANGE,
-    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    cfg = MistralConfig(sliding_window=window, rope_parameters=rope, **_SMALL)
     return _save(MistralForCausalLM, cfg, tmp / "mistral_window", seed=16)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 
@@ -121,6 +122,11 @@ async def serving(
 async def server() -> AsyncIterator[Server]:
     async with serving() as s:
         yield s
+
+
+def openai_client(server: Server) -> openai.AsyncOpenAI:
+    """The official client against `server`, failing at once (no retries)."""
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
 
 def _text_of(chunks: list[Any], chat: bool) -> str:

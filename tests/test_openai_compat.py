@@ -13,7 +13,7 @@ import openai
 import pytest
 import structlog
 
-from tests.test_http import GREEDY, MESSAGES, MODEL, Server, serving
+from tests.test_http import GREEDY, MESSAGES, MODEL, Server, openai_client, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,14 +30,13 @@ WEATHER = {
 }
 
 
+client = openai_client
+
+
 @pytest.fixture
 async def server() -> AsyncIterator[Server]:
     async with serving() as s:
         yield s
-
-
-def client(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
 
 async def test_a_null_parameter_takes_its_default(server: Server) -> None:

@@ -10,19 +10,18 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 
-from tests.test_http import MESSAGES, MODEL, PROMPT, Server, serving
+from tests.test_http import MESSAGES, MODEL, PROMPT, Server, openai_client, serving
 
 pytestmark = pytest.mark.timeout(60)
+
+
+client = openai_client
 
 
 @pytest.fixture
 async def server() -> AsyncIterator[Server]:
     async with serving() as s:
         yield s
-
-
-def client(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
 
 async def test_echo_with_logprobs_covers_the_prompt(server: Server) -> None:
