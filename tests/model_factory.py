@@ -265,18 +265,11 @@ def qwen2_tied(tmp: Path) -> Path:
 
 def qwen3_qknorm(tmp: Path) -> Path:
     cfg = Qwen3Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
         tie_word_embeddings=False,
-        initializer_range=INIT_RANGE,
+        **_SMALL,
     )
     return _save(Qwen3ForCausalLM, cfg, tmp / "qwen3_qknorm", seed=13)
 
