@@ -168,3 +168,13 @@ def test_constraints_that_leave_no_token_fail_the_request_in_one_line(llm):
     reason = out.finish_reason
     assert reason.startswith("error: token") and "\n" not in reason, reason
     assert "allowed_token_ids" in reason and len(reason) < 500
+
+
+def test_what_the_wire_would_refuse_is_refused_at_submit(llm):
+    """Behind SamplingParams' checks, rank 0 refuses a request whose spec the
+    sampling rank could not decode (it would end the ring, not the request)."""
+    params = SamplingParams(max_tokens=2)
+    object.__setattr__(params, "seed", 2.5)  # past the constructor's checks
+    with pytest.raises(ValueError, match="the ring cannot carry"):
+        llm.generate(["x"], params, use_tqdm=False)
+    assert llm.generate(["still serving"], GREEDY, use_tqdm=False)[0].token_ids

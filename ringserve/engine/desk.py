@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import structlog
 
 from ringserve import logs
@@ -25,13 +26,25 @@ from ringserve.engine.processing_params import processing_params
 from ringserve.engine.textstream import TextStream
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import SamplingParams
-from ringserve.sched.request import Phase, Request, RequestFactory
+from ringserve.ring.messages import SamplingSpec
+from ringserve.sched.request import Phase, Request, RequestFactory, sampling_spec
 from ringserve.sched.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
 
 QUEUE_TIMEOUT = "queue timeout"  # begins the reason of a request that waited too long
 RETRY_AFTER_S = 1  # what a refused caller is told to wait: passes finish in well under that
+
+
+def carried(params: SamplingParams, prompt: list[int]) -> None:
+    """Refuse, as a ValueError, parameters the ring's wire would refuse:
+    the sampling rank decodes every request's spec by its type, and one it
+    cannot decode would end the ring, not the request."""
+    spec = sampling_spec(params, len(prompt), prompt=prompt)
+    try:
+        msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=SamplingSpec)
+    except (msgspec.ValidationError, OverflowError, TypeError) as exc:
+        raise ValueError(f"sampling parameters the ring cannot carry: {exc}") from None
 
 
 class QueueFull(Exception):
@@ -81,6 +94,7 @@ class RequestDesk:
                 f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens"
             )
         params = processing_params(params, self.tokenizer, self.vocab_size)
+        carried(params, prompt)
         grammar = self._grammar(params)
         waiting = len(self.scheduler.waiting)
         if self.max_waiting is not None and waiting >= self.max_waiting:
