@@ -157,3 +157,58 @@ def _copy_with_config(src: Path, dst: Path, **changes: object) -> None:
     config.update(changes)
     config = {k: v for k, v in config.items() if v is not None}
     (dst / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# What real templates lean on: tools and documents defined (as None) when not
+# given, `{% generation %}`, tojson's sort_keys, message keys left out when
+# None, the reasoning under each of its names.
+FEATURES = (
+    "{% if tools is not none %}[T{{ tools | tojson(sort_keys=True) }}]{% endif %}"
+    "{% if documents is none %}(no docs){% endif %}"
+    "{% for m in messages %}<{{ m.role }}:{{ m.content }}"
+    "{% if 'tool_calls' in m %} calls {{ m.tool_calls | length }}{% endif %}"
+    "{% if m.reasoning_content %} why {{ m.reasoning_content }}{% endif %}>"
+    "{% if m.role == 'assistant' %}{% generation %}!{% endgeneration %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant:{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+CONVERSATIONS = [
+    MESSAGES,
+    [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "tool_calls": None, "reasoning": "sum"},
+        {"role": "user", "content": None},
+    ],
+]
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_template_features_render_as_transformers_does(
+    tmp_path: Path, model_dir: Path, tools: list | None
+) -> None:
+    _copy_with_config(model_dir, tmp_path, chat_template=FEATURES)
+    ours, hf = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for messages in CONVERSATIONS:
+        extra = {} if tools is None else {"tools": tools}
+        want = hf.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        assert ours.apply_chat_template(messages, True, extra) == want
+
+
+def test_the_template_file_and_the_tool_use_template_are_hugging_faces_choices(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    named = [
+        {"name": "default", "template": "DEFAULT"},
+        {"name": "tool_use", "template": "TOOL_USE"},
+    ]
+    _copy_with_config(model_dir, tmp_path, chat_template=named)
+    ours, hf = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for tools in (None, TOOLS):
+        want = hf.apply_chat_template(MESSAGES, tools=tools, tokenize=False)
+        assert ours.apply_chat_template(MESSAGES, True, {"tools": tools}) == want
+    (tmp_path / "chat_template.jinja").write_text("FROM_FILE")
+    _copy_with_config(model_dir, tmp_path, chat_template="FROM_CONFIG")
+    ours, hf = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.apply_chat_template(MESSAGES) == hf.apply_chat_template(MESSAGES, tokenize=False)

@@ -20,6 +20,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -49,11 +50,15 @@ class Tokenizer:
         backend: BackendTokenizer,
         special_tokens: dict[str, str],
         chat_template: str | None,
+        tool_template: str | None = None,
     ) -> None:
+        """`tool_template`: the template a model names `tool_use`, which
+        Hugging Face renders instead when tools are given."""
         self.backend = backend
         self.special_tokens = special_tokens
         self.chat_template = chat_template
         self._template = None if chat_template is None else _compile(chat_template)
+        self._tool_template = None if tool_template is None else _compile(tool_template)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
@@ -70,11 +75,14 @@ class Tokenizer:
             for name in _SPECIAL_NAMES
             if config.get(name) is not None
         }
+        # As Hugging Face reads them: a chat_template.jinja file first, then the
+        # config's template, or its list of named ones ("default", "tool_use").
         template_file = model_dir / "chat_template.jinja"
-        template = _pick_template(config.get("chat_template"))
-        if template is None and template_file.is_file():
-            template = template_file.read_text()
-        return cls(BackendTokenizer.from_file(str(path)), specials, template)
+        named = _named_templates(config.get("chat_template"))
+        if template_file.is_file():
+            named["default"] = template_file.read_text()
+        backend = BackendTokenizer.from_file(str(path))
+        return cls(backend, specials, named.get("default"), named.get("tool_use"))
 
     @property
     def vocab_size(self) -> int:
@@ -160,11 +168,22 @@ class Tokenizer:
         variables = dict(variables or {})
         if "messages" in variables:
             raise ValueError("the template's variables may not set messages")
-        context = {**self.special_tokens, "add_generation_prompt": add_generation_prompt}
+        template = self._template
+        if variables.get("tools") and self._tool_template is not None:
+            template = self._tool_template
+        context = {
+            **self.special_tokens,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": None,  # defined, as Hugging Face passes them
+            "documents": None,
+        }
+        normal = [_normalized(m) for m in messages]
         try:
-            return self._template.render({**context, **variables, "messages": messages})
+            return template.render({**context, **variables, "messages": normal})
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise ValueError(f"chat template failed on the messages: {e}") from e
 
 
 class IncrementalDecoder:
@@ -214,12 +233,24 @@ def _token_text(value: Any) -> str:
     return value["content"] if isinstance(value, dict) else str(value)
 
 
-def _pick_template(value: Any) -> str | None:
-    # A list of named templates is allowed; the one named "default" is the chat template.
+def _named_templates(value: Any) -> dict[str, str]:
+    """The config's chat template: one, or a list of named ones."""
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value}
-        return named.get("default")
-    return value
+        return {t.get("name"): t.get("template") for t in value if t.get("template")}
+    return {} if value is None else {"default": value}
+
+
+_REASONING_NAMES = ("reasoning_content", "reasoning", "thinking")
+
+
+def _normalized(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as Hugging Face hands it to a template: keys whose value is
+    None left out, and the reasoning under each of its names."""
+    out = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((out[k] for k in _REASONING_NAMES if k in out), None)
+    if reasoning is not None:
+        out |= {k: out.get(k, reasoning) for k in _REASONING_NAMES}
+    return out
 
 
 def _raise_exception(message: str) -> None:
@@ -227,9 +258,27 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
 ) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _Generation(jinja2.ext.Extension):
+    """Hugging Face's `{% generation %}...{% endgeneration %}` (it marks the
+    assistant's tokens for training): rendered as its body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -238,7 +287,7 @@ def _strftime_now(fmt: str) -> str:
 
 def _compile(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
