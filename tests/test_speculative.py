@@ -67,6 +67,30 @@ def test_greedy_with_ngram_speculation_equals_transformers(copier):
     assert stats.accepted_at[1] > 0, "no verification accepted two proposals"
 
 
+def test_seeded_sampling_speculating_is_the_sampling_without_it(copier):
+    """A sampled position emits its own seeded draw (accepting a proposal
+    only when the draw is it), so a seeded request's output does not depend
+    on how many tokens its passes proposed, nor on what shared them."""
+    path, prompts, _ = copier
+    # the copier is all but deterministic; this temperature flattens it so
+    # that draws both take and refuse the proposals (and the rule of
+    # accepting with the proposal's probability gave other outputs: 3 of 4)
+    params = [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=20.0, seed=s, ignore_eos=True)
+        for s in range(len(prompts))
+    ]
+    plain_options = {k: v for k, v in ENGINE.items() if k not in SPEC}
+    with LLM(path, **plain_options) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(path, **ENGINE) as llm:
+        together = [o.token_ids for o in llm.generate(prompts, params)]
+        alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+        stats = llm._ring.conductor.scheduler.speculation.stats
+        assert_clean(llm)
+    assert stats.accepted > 0 and stats.freed > 0, stats  # proposals both taken and refused
+    assert together == plain and alone == plain
+
+
 @pytest.mark.timeout(240)
 def test_ring_of_three_with_voids_equals_transformers_and_replays(copier, tmp_path, monkeypatch):
     path, prompts, expected = copier

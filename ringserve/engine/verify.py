@@ -2,35 +2,32 @@
 
 A verification row holds the last token and k proposals p1..pk; its k + 1
 positions are all drawn through the sampler's per-row path, position j with
-the request's seed at the position of the token it draws. Position j is
-then judged against proposal p(j+1), in order:
+the request's seed at the position of the token it draws: the very draw an
+ordinary pass makes there. Position j then accepts proposal p(j+1) exactly
+when its draw is that token, and the first draw that is not emits itself;
+when all k are accepted the draw at the last position is a k + 1-th token.
 
-* greedy rows accept while the target's token equals the proposal;
-* sampled rows accept p with the target's probability of it (the proposals
-  are deterministic, a one-point draft distribution), and on a rejection
-  draw from the residual (the target's distribution without p), so every
-  emitted token follows the target's distribution exactly.
-
-The first rejection emits the residual (greedy: the target's) token; when
-all k are accepted the draw at the last position is a k + 1-th token. Draws
-are functions of the seed and the position, so a pass re-run after a void
-verifies the same way.
+For greedy rows that is the agreeing prefix. For sampled rows it is the
+coupled form of rejection sampling against deterministic (one-point)
+proposals: a proposal is accepted with the target's probability of it, and
+a rejected position emits a draw from the target without it, so every
+emitted token follows the target's distribution, as before; and since each
+emitted token is the position's ordinary draw, a seeded request's output is
+the one it would have without speculation, whatever else shares its passes
+(how many tokens a pass proposes depends on its room). Draws are functions
+of the seed and the position, so a pass re-run after a void verifies alike.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
 
 from ringserve.engine import logits as processing
 from ringserve.engine.grammar import apply_masks
-from ringserve.engine.sampler import Sampler, noise_seed
-from ringserve.kernels.sample_reference import NOISE_MAX, NOISE_MIN
+from ringserve.engine.sampler import Sampler
 from ringserve.ring.messages import Output, SamplingSpec
-
-ACCEPT_SALT = 0x5DEECE66D  # the acceptance uniform's stream, apart from the draw's noise
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +50,6 @@ class Verification:
     @property
     def greedy(self) -> bool:
         return self.spec.temperature == 0 or self.spec.top_k == 1
-
-
-def accept_uniform(spec: SamplingSpec, position: int) -> float:
-    """The uniform in [0, 1) that accepts or rejects the proposal at `position`."""
-    return random.Random(noise_seed(spec.seed or 0, position) ^ ACCEPT_SALT).random()
 
 
 class Verifier:
@@ -86,14 +78,13 @@ class Verifier:
         if masks is not None:
             logits = apply_masks(logits, *masks)
         drawn, fallback = self.sampler.draw(logits, specs, positions)
-        drawn_l, fallback_l = drawn.tolist(), fallback.tolist()
-        p_prop = self._proposal_probs(logits, rows)
+        drawn_l = drawn.tolist()
         tokens: list[int] = []
         picked: list[int] = []  # the logits row of each emitted token
         accepted: list[int] = []
         at = 0
         for v in rows:
-            emitted = self._judge(logits, v, at, drawn_l, fallback_l, p_prop)
+            emitted = _judge(v, drawn_l[at : at + len(v.proposals) + 1])
             tokens += emitted
             picked += range(at, at + len(emitted))
             accepted.append(len(emitted))
@@ -110,52 +101,12 @@ class Verifier:
             accepted=accepted,
         )
 
-    def _proposal_probs(self, logits: torch.Tensor, rows: list[Verification]) -> dict[int, float]:
-        """The target's probability of each proposal of a sampled row, by logits row."""
-        where, props, specs = [], [], []
-        at = 0
-        for v in rows:
-            if not v.greedy:
-                where += range(at, at + len(v.proposals))
-                props += v.proposals
-                specs += [v.spec] * len(v.proposals)
-            at += len(v.proposals) + 1
-        if not where:
-            return {}
-        idx = torch.tensor(where, dtype=torch.int64, device=logits.device)
-        probs = self.sampler.probs(logits[idx], specs)
-        p = probs.gather(-1, torch.tensor(props, device=logits.device)[:, None])[:, 0]
-        return dict(zip(where, p.tolist(), strict=True))
 
-    def _judge(
-        self,
-        logits: torch.Tensor,
-        v: Verification,
-        at: int,
-        drawn: list[int],
-        fallback: list[bool],
-        p_prop: dict[int, float],
-    ) -> list[int]:
-        """The tokens one verification emits: its accepted proposals and one more."""
-        emitted: list[int] = []
-        for j, proposal in enumerate(v.proposals):
-            row = at + j
-            if v.greedy or fallback[row] or p_prop[row] != p_prop[row]:  # NaN: greedy fallback
-                if drawn[row] != proposal:
-                    return [*emitted, drawn[row]]
-            elif accept_uniform(v.spec, v.position + j) >= p_prop[row]:
-                return [*emitted, self._residual(logits[row], v, j, proposal)]
-            emitted.append(proposal)
-        return [*emitted, drawn[at + len(v.proposals)]]
-
-    def _residual(self, logits: torch.Tensor, v: Verification, j: int, proposal: int) -> int:
-        """A draw from the target's distribution at position j with the
-        rejected proposal taken out: the exponential race over the others,
-        with the noise the position's ordinary draw uses."""
-        p = self.sampler.probs(logits[None], [v.spec])[0]
-        p[proposal] = 0.0
-        if not float(p.sum()) > 0:
-            return proposal  # the target put all its mass on it: never rejected in exact arithmetic
-        u = Sampler.noise(v.spec, v.position + j, p.shape[-1], p.device)
-        race = p / -torch.log(u.clamp(min=NOISE_MIN, max=NOISE_MAX))
-        return int(race.argmax())
+def _judge(v: Verification, drawn: list[int]) -> list[int]:
+    """The tokens one verification emits, from its positions' draws: the
+    proposals its draws agree with, then the first draw that does not (or
+    the draw after the last proposal)."""
+    for j, proposal in enumerate(v.proposals):
+        if drawn[j] != proposal:
+            return [*v.proposals[:j], drawn[j]]
+    return [*v.proposals, drawn[len(v.proposals)]]
