@@ -361,6 +361,18 @@ BAD_REQUESTS = {
         "max_tokens",
     ),
     "prompt_over_context": ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    "prompt_and_max_tokens_over_context": (
+        "/v1/completions",
+        {"prompt": LONG_PROMPT[:500], "max_tokens": 20},
+        400,
+        "max_tokens",
+    ),
+    "messages_and_completion_tokens_over_context": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x " * 200}], "max_completion_tokens": 400},
+        400,
+        "max_completion_tokens",
+    ),
     "second_prompt_over_context": (
         "/v1/completions",
         {"prompt": [[5, 6, 7], LONG_PROMPT]},

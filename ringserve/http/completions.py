@@ -39,7 +39,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompts = completion_prompts(served, body.prompt)
     refuse_unsupported(body, len(prompts))
     structured, grammar_param = structured_params(body)
-    max_tokens = completion_max_tokens(served, body)
+    max_tokens = completion_max_tokens(served, body, [len(p) for p in prompts])
     judged = completion_prompt_logprobs(body)
     params = choice_params(body, max_tokens, body.logprobs, structured, judged)
     # With `echo`, each choice's text begins with its prompt's.

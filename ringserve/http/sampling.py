@@ -50,17 +50,23 @@ def refuse_unsupported(body: SamplingFields, prompts: int = 1) -> None:
         )
 
 
-def completion_max_tokens(served: ServedModel, body: CompletionRequest) -> int:
-    return bounded_max_tokens(
-        served, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens"
-    )
+def completion_max_tokens(
+    served: ServedModel, body: CompletionRequest, prompt_lens: list[int]
+) -> int:
+    """The asked max_tokens, refused when the longest prompt and it outgrow
+    the context (as OpenAI refuses them); without it OpenAI's 16."""
+    if body.max_tokens is not None:
+        return bounded_max_tokens(served, body.max_tokens, "max_tokens", max(prompt_lens))
+    return bounded_max_tokens(served, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
 
 
 def chat_max_tokens(served: ServedModel, body: ChatRequest, prompt_len: int) -> int:
     if body.max_completion_tokens is not None:
-        return bounded_max_tokens(served, body.max_completion_tokens, "max_completion_tokens")
+        return bounded_max_tokens(
+            served, body.max_completion_tokens, "max_completion_tokens", prompt_len
+        )
     if body.max_tokens is not None:
-        return bounded_max_tokens(served, body.max_tokens, "max_tokens")
+        return bounded_max_tokens(served, body.max_tokens, "max_tokens", prompt_len)
     return max(1, min(CHAT_DEFAULT_MAX_TOKENS, served.max_model_len - prompt_len))
 
 
@@ -165,11 +171,22 @@ def invalid_params(exc: ValueError) -> ApiError:
     return bad_request(message, param=first if first in _PARAM_NAMES else None)
 
 
-def bounded_max_tokens(served: ServedModel, max_tokens: int, param: str) -> int:
-    if max_tokens > served.max_model_len:
+def bounded_max_tokens(
+    served: ServedModel, max_tokens: int, param: str, prompt_len: int | None = None
+) -> int:
+    """`max_tokens` where it fits the context, alone and after a prompt of
+    `prompt_len` (when given: a prompt that does not fit is refused apart)."""
+    context = served.max_model_len
+    if max_tokens > context:
         raise bad_request(
-            f"{param} is {max_tokens}, more than this model's context of "
-            f"{served.max_model_len} tokens",
+            f"{param} is {max_tokens}, more than this model's context of {context} tokens",
             param=param,
+        )
+    if prompt_len is not None and prompt_len < context < prompt_len + max_tokens:
+        raise bad_request(
+            f"this model's context is {context} tokens; the prompt has {prompt_len} and "
+            f"{param} asks {max_tokens} more: at most {context - prompt_len} fit",
+            param=param,
+            code="context_length_exceeded",
         )
     return max_tokens
