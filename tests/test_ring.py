@@ -118,6 +118,8 @@ def test_a_crashed_rank_is_named_and_nothing_is_left(llama, monkeypatch):
             llm.generate(prompts, GREEDY)
         assert time.monotonic() - began < 15
         assert llm._ring.conductor.health.dead
+        with pytest.raises(RuntimeError, match="rank 2"):  # and says why from then on
+            llm.generate(prompts[:1], GREEDY)
     finally:
         assert_no_rank_left(llm)
 

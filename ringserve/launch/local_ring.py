@@ -138,8 +138,12 @@ class LocalRing:
     ) -> list[RequestOutput]:
         """`on_done`, when given, is called (on rank 0's loop thread) with
         each output as its request finishes."""
-        if self._closed or not self._thread.is_alive():
+        if self._closed:
             raise RuntimeError("this LLM is closed")
+        if not self._thread.is_alive():
+            raise RuntimeError(
+                f"the ring has stopped: {self.conductor.failure or 'its loop ended'}"
+            )
         future = asyncio.run_coroutine_threadsafe(
             self._generate(prompts, params, on_done), self.loop
         )
@@ -149,7 +153,8 @@ class LocalRing:
                     return future.result(timeout=0.5)
                 except concurrent.futures.TimeoutError:
                     if not self._thread.is_alive():
-                        raise RuntimeError("this LLM was closed while generating") from None
+                        why = "this LLM was closed" if self._closed else "the ring stopped"
+                        raise RuntimeError(f"{why} while generating") from None
         except concurrent.futures.CancelledError:  # closed from another thread
             raise RuntimeError("this LLM was closed while generating") from None
         except BaseException:  # KeyboardInterrupt too: the requests are aborted
