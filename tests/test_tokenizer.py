@@ -212,3 +212,47 @@ def test_the_template_file_and_the_tool_use_template_are_hugging_faces_choices(
     _copy_with_config(model_dir, tmp_path, chat_template="FROM_CONFIG")
     ours, hf = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     assert ours.apply_chat_template(MESSAGES) == hf.apply_chat_template(MESSAGES, tokenize=False)
+
+
+def _byte_fallback_dir(path: Path) -> Path:
+    """A Llama 2 / Mistral style tokenizer: pieces with Metaspace, and bytes
+    the vocabulary lacks as <0xNN> tokens, decoded by ByteFallback."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {piece: len(vocab) + i for i, piece in enumerate(["▁", "H", "i", "o", "k", "▁H"])}
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=[("▁", "H")], byte_fallback=True, unk_token="<unk>")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+def test_a_byte_fallback_stream_and_its_whole_text_agree(tmp_path: Path) -> None:
+    """A character followed by a cut one: the decoder shows the whole run
+    as U+FFFD once the cut byte arrives; the stream keeps what it showed,
+    and the text of the whole output is the streamed one."""
+    from ringserve.engine.textstream import TextStream
+
+    tok = Tokenizer.from_dir(_byte_fallback_dir(tmp_path))
+    byte = [tok.backend.token_to_id(f"<0x{b:02X}>") for b in (0xF0, 0x9F, 0x98, 0x80, 0xF0, 0x9F)]
+    ids = tok.encode("Hi", add_special_tokens=False) + byte
+    streamed = "".join(stream(tok, ids))
+    assert streamed.startswith("Hi😀") and streamed.endswith("\ufffd")
+    for stops in ((), ("zz",)):
+        whole = TextStream(tok, stops, incremental=False)
+        for t in ids:
+            whole.push(t)
+        whole.finish()
+        assert whole.text == streamed
+    ok = tok.encode("Hi", add_special_tokens=False) + byte[:4]  # no cut: the decode itself
+    assert "".join(stream(tok, ok)) == tok.decode(ok) == "Hi😀"

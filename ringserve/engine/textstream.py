@@ -3,7 +3,7 @@ released delta by delta and cut at the first stop string."""
 
 from __future__ import annotations
 
-from ringserve.models.tokenizer import IncrementalDecoder, Tokenizer
+from ringserve.models.tokenizer import IncrementalDecoder, Tokenizer, stream_text
 
 
 class TextStream:
@@ -51,7 +51,7 @@ class TextStream:
         if self.stopped or self._decoder is None:
             return ""
         if self._deferred is not None:
-            self.text = self._tokenizer.decode(self._deferred)
+            self.text = stream_text(self._tokenizer, self._deferred)
             return self.text
         self._held += self._decoder.flush()
         return self._release(final=True)

@@ -189,7 +189,11 @@ class Tokenizer:
 class IncrementalDecoder:
     """Streams text for a growing list of token ids. Invariant: the deltas
     returned by `push` and then `flush` concatenate to
-    `tokenizer.decode(all ids)`.
+    `tokenizer.decode(all ids)`, except where decoding more tokens changes
+    text already shown: a byte-fallback decoder turns every byte of a run
+    that a later byte makes invalid into U+FFFD, a character shown before
+    it too; what was shown stays, and the new tokens are decoded alone
+    (`stream_text` is that text, decoded at once).
 
     Text is decoded over a short window: the tokens since the last emission
     plus the ones before them (`prefix_offset`) for context, since some
@@ -218,6 +222,8 @@ class IncrementalDecoder:
 
     def _advance(self, window: str) -> str:
         before = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if not window.startswith(before):  # the new tokens changed what was shown
+            window = before + self._decode(self._ids[self._read_offset :])
         if len(window) <= len(before):
             return ""
         self._prefix_offset = self._read_offset
@@ -226,6 +232,17 @@ class IncrementalDecoder:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+
+def stream_text(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of `ids` as a stream of them shows it: their decoding,
+    unless that holds U+FFFD, where a stream may show more (see
+    IncrementalDecoder)."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if "\ufffd" not in text:
+        return text
+    decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
+    return "".join(decoder.push(t) for t in ids) + decoder.flush()
 
 
 def _token_text(value: Any) -> str:
