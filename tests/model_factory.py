@@ -275,20 +275,9 @@ def qwen3_qknorm(tmp: Path) -> Path:
 
 
 def bigcode_mqa(tmp: Path) -> Path:
-    cfg = GPTBigCodeConfig(
-        vocab_size=320,
-        n_embd=64,
-        n_layer=3,
-        n_head=4,
-        n_inner=160,
-        n_positions=MAX_POSITIONS,
-        multi_query=True,
-        activation_function="gelu_pytorch_tanh",
-        initializer_range=INIT_RANGE,
-        bos_token_id=0,
-        eos_token_id=0,
+    return _bigcode(
+        tmp / "bigcode_mqa", layers=3, seed=14, multi_query=True, bos_token_id=0, eos_token_id=0
     )
-    return _save(GPTBigCodeForCausalLM, cfg, tmp / "bigcode_mqa", seed=14)
 
 
 def bigcode_untied(tmp: Path) -> Path:
@@ -302,11 +291,11 @@ def bigcode_mha(tmp: Path) -> Path:
     return _bigcode(tmp / "bigcode_mha", multi_query=False, tie_word_embeddings=True)
 
 
-def _bigcode(path: Path, **options: bool) -> Path:
+def _bigcode(path: Path, *, layers: int = 2, seed: int = 15, **options: object) -> Path:
     cfg = GPTBigCodeConfig(
         vocab_size=320,
         n_embd=64,
-        n_layer=2,
+        n_layer=layers,
         n_head=4,
         n_inner=160,
         n_positions=MAX_POSITIONS,
@@ -314,7 +303,7 @@ def _bigcode(path: Path, **options: bool) -> Path:
         initializer_range=INIT_RANGE,
         **options,
     )
-    return _save(GPTBigCodeForCausalLM, cfg, path, seed=15)
+    return _save(GPTBigCodeForCausalLM, cfg, path, seed=seed)
 
 
 def mistral_window(tmp: Path, window: int) -> Path:
