@@ -649,6 +649,12 @@ async def test_models_plan_and_openapi_describe_the_server() -> None:
     async with serving() as server:
         status, body = await server.get("/v1/plan")
         assert status == 404 and body["error"]["code"] == "not_found"
+    # with a host tier, its figures too
+    config = EngineConfig(model_dir=builtin_model_dir(), host_kv_tokens=256)
+    tiered = size_ring(config, 1, [2000])[1].to_dict()
+    assert tiered["host_tokens"] == 256 and "host_kv" in tiered["ranks"][0]
+    async with serving(plan=tiered) as server:
+        assert await server.get("/v1/plan") == (200, tiered)
 
 
 @pytest.mark.timeout(30)

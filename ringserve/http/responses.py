@@ -264,6 +264,7 @@ class RankPlan(Struct, omit_defaults=True):
     headroom: int
     speed: float
     stage_time: float
+    host_kv: PlanFigure | None = None  # the host KV tier (--host-kv-tokens), outside the budget
     draft: DraftPlan | None = None
 
 
@@ -275,7 +276,7 @@ class PlanTotals(Struct, omit_defaults=True):
     draft: int | None = None
 
 
-class MemoryPlan(Struct):
+class MemoryPlan(Struct, omit_defaults=True):
     """`/v1/plan`: the solved memory plan (plan/ledger.py `Plan.to_dict`)."""
 
     layer_split: list[int]
@@ -285,3 +286,4 @@ class MemoryPlan(Struct):
     bottleneck: int
     ranks: list[RankPlan]
     totals: PlanTotals
+    host_tokens: int | None = None  # the host tier's slots on every rank, when it has one
