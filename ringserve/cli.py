@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -459,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # UserError, bad options, refused plans
         if args.debug:
             raise
-        print(f"ringserve: {' '.join(str(exc).split())}", file=sys.stderr)
+        logs.say(" ".join(str(exc).split()))
         return 2
     finally:
         scope.close()

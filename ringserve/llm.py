@@ -13,7 +13,7 @@ from ringserve.launch.local_ring import LocalRing
 from ringserve.launch.progress import GenerateBar
 from ringserve.models.builtin import builtin_model_dir
 from ringserve.models.hub import resolve_model
-from ringserve.params import MAX_SEED, RequestOutput, SamplingParams
+from ringserve.params import MAX_SEED, RequestOutput, SamplingParams, is_int
 from ringserve.plan.sizing import size_ring
 
 Prompt = str | Sequence[int]
@@ -92,7 +92,7 @@ class LLM:
         messages) or of each of several, rendered with the model's chat
         template; `tools` (OpenAI's function list) and `chat_template_kwargs`
         reach the template as Hugging Face passes them."""
-        conversations = [[_message(m) for m in c] for c in _as_conversations(messages)]
+        conversations = _as_conversations(messages)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: LLM.chat needs its chat template")
         extra: dict[str, Any] = {} if tools is None else {"tools": tools}
@@ -157,7 +157,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Any]:
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes | bytearray):
         raise TypeError(f"prompts must be a prompt or a list of them, not {type(prompts).__name__}")
     items = list(prompts)
-    if items and all(_is_id(t) for t in items):
+    if items and all(is_int(t) for t in items):
         return [items]
     return items
 
@@ -178,7 +178,7 @@ def _prompt_form(prompt: Any) -> Prompt:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-        bad = next((t for t in prompt if not _is_id(t)), None)
+        bad = next((t for t in prompt if not is_int(t)), None)
         if bad is None:
             return list(prompt)
         raise TypeError(f"prompt token ids must be integers, got {bad!r}")
@@ -186,25 +186,6 @@ def _prompt_form(prompt: Any) -> Prompt:
         "a prompt is a string, a list of token ids, or a dict with 'prompt' or "
         f"'prompt_token_ids', not {type(prompt).__name__}"
     )
-
-
-def _message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as the chat templates read it, from OpenAI's shape too:
-    `developer` is `system`, content given as parts is their text."""
-    out = dict(message)
-    if out.get("role") == "developer":
-        out["role"] = "system"
-    content = out.get("content")
-    if isinstance(content, list):
-        kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
-        if any(k != "text" for k in kinds):
-            raise ValueError(f"message content parts must be text parts, got {kinds}")
-        out["content"] = "".join(p.get("text") or "" for p in content)
-    return out
-
-
-def _is_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:

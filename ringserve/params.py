@@ -122,7 +122,7 @@ class SamplingParams:
         _number("min_p", self.min_p, low=0, high=1)
         if self.seed is not None:
             _int("seed", self.seed, low=0, high=MAX_SEED)
-        self._tuple("stop_token_ids", lambda t: _is_int(t) and t >= 0, "token ids >= 0")
+        self._tuple("stop_token_ids", lambda t: is_int(t) and t >= 0, "token ids >= 0")
         self._tuple("stop", lambda s: isinstance(s, str) and s != "", "non-empty strings", one=str)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos must be true or false")
         for name in ("logprobs", "prompt_logprobs"):
@@ -138,7 +138,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias must map token ids to biases")
             _check(
-                all(_is_int(t) and t >= 0 for t in self.logit_bias),
+                all(is_int(t) and t >= 0 for t in self.logit_bias),
                 "logit_bias keys must be token ids >= 0",
             )
             for bias in self.logit_bias.values():
@@ -151,7 +151,7 @@ class SamplingParams:
         _int("min_tokens", self.min_tokens, low=0)
         _check(self.min_tokens <= self.max_tokens, "min_tokens must be at most max_tokens")
         if self.allowed_token_ids is not None:
-            self._tuple("allowed_token_ids", lambda t: _is_int(t) and t >= 0, "token ids >= 0")
+            self._tuple("allowed_token_ids", lambda t: is_int(t) and t >= 0, "token ids >= 0")
             _check(
                 len(self.allowed_token_ids) > 0,
                 "allowed_token_ids must be a non-empty list of token ids >= 0",
@@ -208,7 +208,8 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An integer, and not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -219,7 +220,7 @@ def _bounds(low: float | None, high: float | None) -> str:
 
 
 def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
-    ok = _is_int(value)
+    ok = is_int(value)
     ok = ok and (low is None or value >= low) and (high is None or value <= high)  # type: ignore[operator]
     _check(ok, f"{name} must be an integer{_bounds(low, high)}, got {value!r}")
 

@@ -84,9 +84,7 @@ def _tokenizer(served: ServedModel, param: str) -> Tokenizer:
 
 def _message(message: ChatMessage, i: int) -> dict[str, Any]:
     """A message as the chat template reads it, Hugging Face's shape."""
-    # OpenAI's `developer` messages are what the templates know as `system`
-    role = "system" if message.role == "developer" else message.role
-    out: dict[str, Any] = {"role": role, "content": _content(message, i)}
+    out: dict[str, Any] = {"role": message.role, "content": _content(message, i)}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls is not None:

@@ -138,28 +138,28 @@ class LocalRing:
     ) -> list[RequestOutput]:
         """`on_done`, when given, is called (on rank 0's loop thread) with
         each output as its request finishes."""
-        if self._closed:
-            raise RuntimeError("this LLM is closed")
-        if not self._thread.is_alive():
-            raise RuntimeError(
-                f"the ring has stopped: {self.conductor.failure or 'its loop ended'}"
-            )
+        if self._closed or not self._thread.is_alive():
+            raise RuntimeError(self._stopped())
         future = asyncio.run_coroutine_threadsafe(
             self._generate(prompts, params, on_done), self.loop
         )
         try:
-            while True:
+            while True:  # a wait the caller's Ctrl-C can interrupt, and a close end
                 try:
                     return future.result(timeout=0.5)
                 except concurrent.futures.TimeoutError:
                     if not self._thread.is_alive():
-                        why = "this LLM was closed" if self._closed else "the ring stopped"
-                        raise RuntimeError(f"{why} while generating") from None
-        except concurrent.futures.CancelledError:  # closed from another thread
-            raise RuntimeError("this LLM was closed while generating") from None
+                        raise RuntimeError(self._stopped()) from None
+        except concurrent.futures.CancelledError:  # its loop closed under it
+            raise RuntimeError(self._stopped()) from None
         except BaseException:  # KeyboardInterrupt too: the requests are aborted
             future.cancel()
             raise
+
+    def _stopped(self) -> str:
+        if self._closed:
+            return "this LLM is closed"
+        return f"the ring has stopped: {self.conductor.failure or 'its loop ended'}"
 
     async def _generate(
         self,

@@ -262,8 +262,17 @@ _REASONING_NAMES = ("reasoning_content", "reasoning", "thinking")
 
 def _normalized(message: dict[str, Any]) -> dict[str, Any]:
     """A message as Hugging Face hands it to a template: keys whose value is
-    None left out, and the reasoning under each of its names."""
+    None left out, and the reasoning under each of its names; and from
+    OpenAI's shapes, `developer` as `system` and text parts as their text."""
     out = {k: v for k, v in message.items() if v is not None}
+    if out.get("role") == "developer":
+        out["role"] = "system"
+    content = out.get("content")
+    if isinstance(content, list):
+        kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+        if any(k != "text" for k in kinds):
+            raise ValueError(f"message content parts must be text parts, got {kinds}")
+        out["content"] = "".join(p.get("text") or "" for p in content)
     reasoning = next((out[k] for k in _REASONING_NAMES if k in out), None)
     if reasoning is not None:
         out |= {k: out.get(k, reasoning) for k in _REASONING_NAMES}
