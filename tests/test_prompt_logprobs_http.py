@@ -63,6 +63,36 @@ async def test_echo_with_logprobs_covers_the_prompt(server: Server) -> None:
     assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
+async def test_max_tokens_zero_with_echo_scores_the_prompt_alone(server: Server) -> None:
+    """OpenAI's legacy scoring call: the prompt's text and logprobs, nothing
+    generated, `length` reached, no completion tokens counted."""
+    body = dict(model=MODEL, prompt=PROMPT, temperature=0, echo=True, logprobs=1)
+    longer = await client(server).completions.create(**body, max_tokens=2)
+    scored = await client(server).completions.create(**body, max_tokens=0)
+    n = scored.usage.prompt_tokens
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.total_tokens == n
+    lp, full = choice.logprobs, longer.choices[0].logprobs
+    assert lp.tokens == full.tokens[:n] and len(lp.tokens) == n
+    assert lp.token_logprobs[1:] == pytest.approx(full.token_logprobs[1:n], abs=1e-5)
+    assert lp.text_offset == full.text_offset[:n]
+    streamed = await client(server).completions.create(
+        **body, max_tokens=0, stream=True, stream_options={"include_usage": True}
+    )
+    text, tokens, ends, usage = "", [], [], None
+    async for chunk in streamed:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text += c.text
+            tokens += [] if c.logprobs is None else c.logprobs.tokens
+            ends += [c.finish_reason] if c.finish_reason else []
+    assert (text, tokens, ends) == (PROMPT, lp.tokens, ["length"])
+    assert usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="needs echo"):
+        await client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+
+
 async def test_chat_answers_vllms_prompt_logprobs(server: Server) -> None:
     done = await client(server).chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 1}

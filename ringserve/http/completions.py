@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from aiohttp import web
 
+from ringserve.engine.handle import Delta
 from ringserve.http.errors import bad_request
 from ringserve.http.logprobs import completion_logprobs
 from ringserve.http.prompt_logprobs import (
@@ -31,6 +34,8 @@ from ringserve.http.structured import structured_params
 from ringserve.http.submission import Submission
 from ringserve.params import RequestOutput
 
+Answer = TypeVar("Answer", RequestOutput, Delta)
+
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     served = request.app[SERVED]
@@ -39,6 +44,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompts = completion_prompts(served, body.prompt)
     refuse_unsupported(body, len(prompts))
     structured, grammar_param = structured_params(body)
+    scoring = _scoring(body)
     max_tokens = completion_max_tokens(served, body, [len(p) for p in prompts])
     judged = completion_prompt_logprobs(body)
     params = choice_params(body, max_tokens, body.logprobs, structured, judged)
@@ -50,15 +56,44 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         served.conductor, prompts, params, request=request, grammar_param=grammar_param
     ) as sub:
         if body.stream:
-            chunks = _chunks(served, sub, head, body, per_choice)
+            chunks = _chunks(served, sub, head, body, per_choice, scoring)
             return await stream_events(request, chunks)
         outputs = await sub.outputs()
     sub.check(outputs)
+    if scoring:  # the prompt alone: the one token the pass made is not part of the answer
+        outputs = [_unanswered(out) for out in outputs]
     choices = [
         _choice(served, i, out, "" if per_choice is None else per_choice[i], body)
         for i, out in enumerate(outputs)
     ]
-    return json_response(Completion(head.id, head.created, head.model, choices, usage=sub.usage()))
+    usage = sub.usage(generated=not scoring)
+    return json_response(Completion(head.id, head.created, head.model, choices, usage=usage))
+
+
+def _scoring(body: CompletionRequest) -> bool:
+    """`max_tokens: 0` with `echo`, OpenAI's legacy way to score a prompt:
+    its text (and with `logprobs`, its tokens' logprobs) and nothing more.
+    The engine runs it as one token whose output is dropped, as vLLM does."""
+    if body.max_tokens != 0:
+        return False
+    if not body.echo:
+        raise bad_request(
+            "max_tokens 0 generates nothing: it needs echo (the prompt's text and logprobs)",
+            param="max_tokens",
+        )
+    if body.min_tokens > 0:
+        raise bad_request("min_tokens must be at most max_tokens", param="min_tokens")
+    body.max_tokens = 1
+    return True
+
+
+def _unanswered(out: Answer) -> Answer:
+    """`out` (a choice's output, or a delta of its stream) as if it had
+    generated nothing: its length reached where it ended."""
+    ended = None if out.finish_reason is None else "length"
+    return dataclasses.replace(
+        out, text="", token_ids=[], logprobs=None, top_logprobs=None, finish_reason=ended
+    )
 
 
 def _prompt_texts(served: ServedModel, prompt: PromptBody, ids: list[list[int]]) -> list[str]:
@@ -103,6 +138,7 @@ async def _chunks(
     head: Completion,
     body: CompletionRequest,
     echo: list[str] | None,
+    scoring: bool,
 ) -> AsyncIterator[Completion]:
     # The prompts first, as vLLM streams them; a choice that reports prompt
     # logprobs gets its prompt's chunk with its first tokens, which follow them.
@@ -116,6 +152,8 @@ async def _chunks(
         error = sub.failure(delta.finish_reason)
         if error is not None:
             raise error
+        if scoring:
+            delta = _unanswered(delta)
         if i in pending:
             pending.discard(i)
             first = _prompt_chunk(served, sub.handles[i].output(), i, echo, body)
@@ -130,7 +168,7 @@ async def _chunks(
         choice = CompletionChoice(i, delta.text, lp, delta.finish_reason, delta.token_ids)
         yield Completion(head.id, head.created, head.model, [choice])
     if body.include_usage:
-        yield Completion(head.id, head.created, head.model, [], usage=sub.usage())
+        yield Completion(head.id, head.created, head.model, [], usage=sub.usage(not scoring))
 
 
 def _prompt_chunk(

@@ -126,6 +126,17 @@ class CompletionRequest(SamplingFields, kw_only=True):
     list of lists of token ids (several prompts)."""
 
     prompt: str | list[str | PromptId | list[PromptId]]
+    max_tokens: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description="0 with echo scores the prompt: its text (and logprobs) alone",
+                extra_json_schema=served("max_model_len"),
+            ),
+        ]
+        | None
+    ) = None
     logprobs: TopLogprobs | None = None
     echo: Annotated[
         bool, Meta(description="with logprobs, the logprobs cover the prompt's tokens too")

@@ -120,13 +120,14 @@ class Submission:
         """Every choice's result, in choice order, once all have finished."""
         return list(await asyncio.gather(*(h.result() for h in self.handles)))
 
-    def usage(self) -> Usage:
+    def usage(self, generated: bool = True) -> Usage:
         """Token counts, each prompt counted once however many choices it has
-        (OpenAI's rule); cached tokens are those of each prompt's first choice."""
+        (OpenAI's rule); cached tokens are those of each prompt's first choice.
+        `generated` False: what the choices generated is not part of the answer."""
         per_prompt = len(self.params)
         outputs = [h.output() for h in self.handles]
         prompt_tokens = sum(len(p) for p in self.prompts)
-        completion = sum(len(o.token_ids) for o in outputs)
+        completion = sum(len(o.token_ids) for o in outputs) if generated else 0
         cached = sum(o.cached_tokens for o in outputs[::per_prompt])
         return Usage(
             prompt_tokens, completion, prompt_tokens + completion, PromptTokensDetails(cached)
