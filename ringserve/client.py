@@ -30,6 +30,7 @@ from ringserve.http.responses import (
     Health,
     ModelList,
 )
+from ringserve.http.sse import data_payloads
 
 __all__ = [
     "ApiError",
@@ -61,6 +62,7 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self.model = model
         self._session: aiohttp.ClientSession | None = None
+        self._streams: set[aiohttp.ClientResponse] = set()  # being read by `stream`
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -69,6 +71,12 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the session; a stream another task is reading raises
+        `aiohttp.ClientConnectionError` (its request is aborted)."""
+        for resp in list(self._streams):
+            resp.content.set_exception(aiohttp.ClientConnectionError("the client was closed"))
+            resp.close()
+        self._streams.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -76,10 +84,12 @@ class AsyncClient:
     # ---- the API ---------------------------------------------------------------
 
     async def complete(self, prompt: str | Sequence[int], **params: Any) -> Completion:
+        _not_streamed(params)
         body = self._body(prompt=_prompt(prompt), **params)
         return await self._post("/v1/completions", body, Completion)
 
     async def chat(self, messages: Messages, **params: Any) -> ChatCompletion:
+        _not_streamed(params)
         body = self._body(messages=list(messages), **params)
         return await self._post("/v1/chat/completions", body, ChatCompletion)
 
@@ -90,7 +100,7 @@ class AsyncClient:
         a chat completion for a list of messages. To stop early, iterate
         under `contextlib.aclosing`: closing the stream drops the connection,
         and the server aborts the request."""
-        if params.get("n", 1) != 1:
+        if params.get("n") not in (None, 1):
             raise ValueError("stream() follows one choice; use n=1")
         chat = _is_messages(prompt)
         if chat:
@@ -155,17 +165,23 @@ class AsyncClient:
         async with self._http().post(self.base_url + path, data=data, headers=headers) as resp:
             if resp.status != 200:
                 raise _error(resp.status, await resp.read())
-            async for line in resp.content:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[len(b"data: ") :].strip()
-                if payload == b"[DONE]":
-                    return
-                event = msgspec.json.decode(payload)
-                if isinstance(event, dict) and "error" in event:
-                    raise _error(500, payload)
-                yield event
+            self._streams.add(resp)
+            try:
+                async for payload in data_payloads(resp.content.iter_any()):
+                    if payload == b"[DONE]":
+                        return
+                    event = msgspec.json.decode(payload)
+                    if isinstance(event, dict) and "error" in event:
+                        raise _error(500, payload)
+                    yield event
+            finally:
+                self._streams.discard(resp)
         raise ApiError(502, "the stream ended without [DONE]")
+
+
+def _not_streamed(params: dict[str, Any]) -> None:
+    if params.get("stream"):
+        raise ValueError("stream=True: use stream(), which yields the text as it comes")
 
 
 def _chunk_text(event: dict[str, Any], chat: bool) -> str | None:

@@ -3,9 +3,12 @@ tests: a loopback port over a single-rank conductor on the built-in model)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import aiohttp
+import msgspec
 import pytest
 
 from ringserve.client import ApiError, AsyncClient, ChatCompletion, Completion, Generation
@@ -128,3 +131,50 @@ async def test_leaving_a_stream_early_aborts_the_request(
             break
     await server.assert_no_kv_held()
     assert handle.req.finish_reason == "abort" and len(handle.req.output) < 480
+
+
+@pytest.mark.timeout(30)
+async def test_a_stream_event_longer_than_the_readers_buffer_arrives() -> None:
+    """An echoed prompt's logprobs make one event of megabytes; aiohttp's
+    line reader gives up past 512 KiB (it raised LineTooLong here)."""
+    prompt = "hello world " * 500
+    body = dict(max_tokens=2, echo=True, logprobs=20, **GREEDY)
+    async with serving(max_model_len=2048) as server, AsyncClient(server.url) as client:
+        whole = await client.complete(prompt, **body)
+        assert len(msgspec.json.encode(whole)) > 1 << 19  # aiohttp's line limit: 512 KiB
+        assert "".join([t async for t in client.stream(prompt, **body)]) == whole.text
+
+
+@pytest.mark.timeout(30)
+async def test_close_ends_a_stream_another_task_reads(
+    served: tuple[Server, AsyncClient],
+) -> None:
+    server, client = served
+    got: list[str] = []
+
+    async def read() -> None:
+        async for text in client.stream(PROMPT, max_tokens=480, **GREEDY):
+            got.append(text)
+
+    reader = asyncio.create_task(read())
+    while len(got) < 3:
+        await asyncio.sleep(0.01)
+    await client.close()
+    with pytest.raises(aiohttp.ClientConnectionError, match="closed"):
+        await asyncio.wait_for(reader, 10)
+    await server.assert_no_kv_held()
+
+
+@pytest.mark.timeout(30)
+async def test_stream_parameters_are_checked_before_sending(
+    served: tuple[Server, AsyncClient],
+) -> None:
+    _, client = served
+    with pytest.raises(ValueError, match="use stream"):
+        await client.complete(PROMPT, max_tokens=2, stream=True)
+    with pytest.raises(ValueError, match="use stream"):
+        await client.chat(MESSAGES, max_tokens=2, stream=True)
+    with pytest.raises(ValueError, match="one choice"):
+        await anext(client.stream(PROMPT, n=2))
+    # null is the default, as the server takes it
+    assert [t async for t in client.stream(PROMPT, max_tokens=3, n=None, **GREEDY)]

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 
 from ringserve.benchmark.datasets import SampleRequest
+from ringserve.http.sse import data_payloads
 
 CHAT = "/v1/chat/completions"
 
@@ -82,11 +83,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: SampleReques
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return out
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[len(b"data:") :].strip()
+            async for data in data_payloads(resp.content.iter_any()):
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)

@@ -60,3 +60,21 @@ async def _end_with(response: web.StreamResponse, error: ApiError) -> None:
         await response.write(event(error.body()))
         await response.write(DONE)
         await response.write_eof()
+
+
+async def data_payloads(content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The reading end: the `data:` payload of every line of a stream's
+    body, however long a line is (aiohttp's own line reader gives up on a
+    line longer than its buffer, and an echoed prompt's logprobs make one).
+    `content` yields the body's bytes as they come (`StreamReader.iter_any()`)."""
+    parts: list[bytes] = []
+    async for piece in content:
+        while (cut := piece.find(b"\n")) >= 0:
+            parts.append(piece[:cut])
+            line, parts, piece = b"".join(parts).strip(), [], piece[cut + 1 :]
+            if line.startswith(b"data:"):
+                yield line[len(b"data:") :].strip()
+        parts.append(piece)
+    line = b"".join(parts).strip()
+    if line.startswith(b"data:"):
+        yield line[len(b"data:") :].strip()
