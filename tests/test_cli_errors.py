@@ -109,6 +109,17 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 "--result-filename",
             ),
             "bench prompt length": (["bench", "--random-input-len", "-5"], "--random-input-len"),
+            "bench negative SLO": (["bench", "--goodput", "tpot:-5"], "an SLO is a positive"),
+            "bench prefix length": (["bench", "--random-prefix-len", "-5"], "--random-prefix-len"),
+            "bench output length": (
+                ["bench", "--sharegpt-output-len", "0"],
+                "--sharegpt-output-len must be",
+            ),
+            "bench port": (["bench", "--port", "99999"], "--port 99999 is not a TCP port"),
+            "bench tokenizer": (
+                ["bench", "--model", "m", "--tokenizer", str(tmp_path / "none")],
+                f"--tokenizer {tmp_path / 'none'}",
+            ),
         }
         if not torch.cuda.is_available():
             cases["no GPU"] = (

@@ -32,6 +32,8 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
             slos[key] = float(value)
         except ValueError:
             raise ValueError(f"--goodput {item!r}: {value!r} is not a number of ms") from None
+        if not 0 < slos[key] < float("inf"):
+            raise ValueError(f"--goodput {item!r}: an SLO is a positive number of ms")
     return slos
 
 

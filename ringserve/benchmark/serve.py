@@ -54,6 +54,12 @@ def _check(args: argparse.Namespace) -> None:
     parse_goodput(args.goodput)
     if args.dataset_name == "random" and (args.random_input_len < 1 or args.random_output_len < 1):
         raise UserError("--random-input-len and --random-output-len must be at least 1")
+    if args.random_prefix_len < 0:
+        raise UserError("--random-prefix-len must be at least 0")
+    if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
+        raise UserError("--sharegpt-output-len must be at least 1")
+    if args.base_url is None and not 0 < args.port < 1 << 16:
+        raise UserError(f"--port {args.port} is not a TCP port (1-65535)")
     if args.result_filename:  # found unwritable now, not after the run
         try:
             with Path(args.result_filename).open("a"):
@@ -78,7 +84,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = args.model or await _first_model(session, base, args.api_key)
-        requests = _requests(args, _tokenizer(args.tokenizer or model))
+        requests = _requests(args, _tokenizer(args.tokenizer, model))
         target = Target(base, args.endpoint, model, args.api_key, args.temperature, args.ignore_eos)
         results = await _drive(session, target, requests, args)
     duration, results = results
@@ -159,14 +165,17 @@ async def _first_model(session: aiohttp.ClientSession, base: str, api_key: str |
     return models[0]["id"]
 
 
-def _tokenizer(name: str) -> Tokenizer | None:
-    """The tokenizer of `name` when its files are here (a directory or the
-    Hub cache); without one, prompts are counted in words."""
+def _tokenizer(given: str | None, model: str) -> Tokenizer | None:
+    """The tokenizer named by --tokenizer (an error when it cannot be had),
+    else the served model's when its files are here (a directory or the Hub
+    cache); without one, prompts are counted in words."""
     from ringserve.models.hub import resolve_model
 
     try:
-        return Tokenizer.from_dir(resolve_model(name, local_files_only=True))
-    except (UserError, OSError, ValueError):
+        return Tokenizer.from_dir(resolve_model(given or model, local_files_only=True))
+    except (UserError, OSError, ValueError) as exc:
+        if given is not None:
+            raise UserError(f"--tokenizer {given}: {exc}") from None
         return None
 
 
