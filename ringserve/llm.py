@@ -39,22 +39,24 @@ class LLM:
     ) -> None:
         """`model`: a model directory or a Hugging Face Hub id (at
         `revision`), resolved here once; the ranks get the local directory."""
-        model_dir = resolve_model(model, revision) if model is not None else builtin_model_dir()
         if pp_size < 1:
             raise ValueError("pp_size must be >= 1")
-        split = tuple(layer_split) if layer_split is not None else None
-        if speculative_config is not None:  # vLLM's form of the speculative options
-            engine_options = {**engine_options, **speculative_options(speculative_config)}
-        if engine_options.get("draft_model") is not None:
-            engine_options["draft_model"] = Path(engine_options["draft_model"])
-        config = EngineConfig(model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options)
-        self.config, self.plan = size_ring(config, pp_size, rank_memory_mib)
         self.pp_size = pp_size
         self._ring: LocalRing | None = None
         # Rank 0 runs in this process: log it like the child ranks, into
-        # `log_dir/rank0.jsonl` when given, until close().
+        # `log_dir/rank0.jsonl` when given, until close(); planning included.
         self._logs = logs.LogScope(0, log_dir, console_level="warning")
         try:
+            model_dir = resolve_model(model, revision) if model is not None else builtin_model_dir()
+            split = tuple(layer_split) if layer_split is not None else None
+            if speculative_config is not None:  # vLLM's form of the speculative options
+                engine_options = {**engine_options, **speculative_options(speculative_config)}
+            if engine_options.get("draft_model") is not None:
+                engine_options["draft_model"] = Path(engine_options["draft_model"])
+            config = EngineConfig(
+                model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options
+            )
+            self.config, self.plan = size_ring(config, pp_size, rank_memory_mib)
             self._ring = LocalRing(self.config, pp_size, log_dir=log_dir)
             self.tokenizer = self._ring.conductor.tokenizer
         except BaseException:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import _thread
 import math
+import subprocess
+import sys
 import threading
 import time
 
@@ -178,3 +180,20 @@ def test_what_the_wire_would_refuse_is_refused_at_submit(llm):
     with pytest.raises(ValueError, match="the ring cannot carry"):
         llm.generate(["x"], params, use_tqdm=False)
     assert llm.generate(["still serving"], GREEDY, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.timeout(120)
+def test_an_llm_writes_nothing_to_stdout(tmp_path) -> None:
+    """The caller's stdout is theirs: planning logged there before the log
+    scope began (structlog's default logger prints)."""
+    script = (
+        "from ringserve import LLM\n"
+        f"with LLM(pp_size=2, log_dir={str(tmp_path)!r}) as llm:\n"
+        "    llm.generate('hi', use_tqdm=False)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=110
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert "plan.solved" in (tmp_path / "rank0.jsonl").read_text()
