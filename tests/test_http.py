@@ -250,6 +250,28 @@ async def test_stop_string_cuts_the_text(server: Server) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_stop_string_the_last_allowed_token_completes_is_a_stop(
+    server: Server, stream: bool
+) -> None:
+    """The pass that brings the stop string's last token also reaches
+    max_tokens: the text ends at the stop string, and so does the reason."""
+    body = {"prompt": PROMPT, "max_tokens": 12, **GREEDY}
+    _, whole = await server.post("/v1/completions", body)
+    text = whole["choices"][0]["text"]
+    stop = next(text[-k:] for k in range(1, len(text)) if text.index(text[-k:]) == len(text) - k)
+    asked = {**body, "stop": stop, "stream": stream}
+    if stream:
+        events = await server.events("/v1/completions", asked)
+        pieces = [c for e in events if e != "[DONE]" for c in e["choices"]]
+        got = "".join(c["text"] for c in pieces), [c["finish_reason"] for c in pieces][-1]
+    else:
+        _, cut = await server.post("/v1/completions", asked)
+        got = cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]
+    assert got == (text[: -len(stop)], "stop")
+
+
+@pytest.mark.timeout(30)
 async def test_stop_token_id_ends_generation_at_that_token(server: Server) -> None:
     body = {"prompt": PROMPT, "max_tokens": 10, **GREEDY}
     _, whole = await server.post("/v1/completions", body)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ringserve import LLM, SamplingParams, StructuredOutputsParams
 from ringserve.engine.grammar import Grammars, StructuredOutputsConfig
+from ringserve.http.structured import closed
 from ringserve.models.builtin import builtin_model_dir
 from ringserve.models.tokenizer import Tokenizer
 from tests.test_http import MESSAGES, PROMPT, Server, serving
@@ -104,6 +105,14 @@ def test_regex_choice_and_grammar_are_followed(llm):
         else:
             assert out.finish_reason == "stop", out
             assert re.fullmatch(pattern, out.text), out.text
+
+
+def test_a_grammar_the_last_allowed_token_completes_is_a_stop(llm):
+    """Complete on its last allowed token, the answer is whole: `stop`, not
+    `length` (which a client takes for a cut answer)."""
+    one = StructuredOutputsParams(choice=("x", "p"))
+    outs = llm.generate(["pick:"] * 4, [sampled(one, seed, max_tokens=1) for seed in range(4)])
+    assert [(o.text in ("x", "p"), o.finish_reason) for o in outs] == [(True, "stop")] * 4
 
 
 def test_an_unconstrained_request_beside_a_constrained_one_is_untouched(llm):
@@ -317,3 +326,36 @@ def test_launch_refuses_a_bad_structured_outputs_config_in_one_line():
         "ringserve: --structured-outputs-config: structured outputs backend 'outlines' is not "
         "available here; choose one of ['guidance', 'auto'] (llguidance)"
     ]
+
+
+def test_strict_closes_every_object_schema_and_leaves_data_alone():
+    """OpenAI's strict mode closes object schemas, nullable ones written as
+    a type list included; `const`, `enum` and `default` are values, which a
+    rewrite would make the answer fail the caller's own schema."""
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    value = {"type": "object"}  # data shaped like a schema
+    schema = {
+        "type": "object",
+        "properties": {
+            "nullable": {**obj, "type": ["object", "null"]},
+            "listed": {"type": "array", "items": obj},
+            "either": {"anyOf": [obj, {"type": "null"}]},
+            "ref": {"$ref": "#/$defs/o"},
+            "k": {"const": value},
+            "e": {"enum": [value, 1]},
+            "d": {**obj, "default": value},
+        },
+        "$defs": {"o": obj},
+    }
+    strict = closed(schema)
+    props = strict["properties"]
+    shut = [strict, props["nullable"], props["listed"]["items"], props["either"]["anyOf"][0]]
+    shut += [strict["$defs"]["o"], props["d"]]
+    assert all(s["additionalProperties"] is False for s in shut)
+    assert props["k"]["const"] == value and props["e"]["enum"] == [value, 1]
+    assert props["d"]["default"] == value
+    assert "additionalProperties" not in props["either"]["anyOf"][1]
+    answer = {"k": value, "e": value, "d": {"a": 1}, "nullable": None}
+    jsonschema.validate(answer, strict)  # the caller's data still fits
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**answer, "nullable": {"a": 1, "extra": 2}}, strict)

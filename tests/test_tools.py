@@ -267,3 +267,26 @@ def test_a_call_list_read_piece_by_piece_gives_the_calls_read_whole() -> None:
                 opened.append(piece.index)
             got[piece.index] = (piece.name, got.get(piece.index, ("", ""))[1] + piece.arguments)
     assert opened == [0, 1] and [got[0], got[1]] == whole
+
+
+async def test_tokenize_renders_tools_and_template_kwargs_as_a_chat_does(server: Server) -> None:
+    """/tokenize's count is the chat prompt's: the tools and the template's
+    variables reach the template there too."""
+    body = dict(messages=ASK, tools=TOOLS, chat_template_kwargs={"add_generation_prompt": False})
+    status, counted = await server.post("/tokenize", body)
+    assert status == 200, counted
+    _, bare = await server.post("/tokenize", {"messages": ASK})
+    assert counted["count"] > bare["count"] + 20  # the tools' JSON is in the prompt
+    done = await client(server).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=1,
+        tool_choice="required",
+        extra_body={"chat_template_kwargs": body["chat_template_kwargs"]},
+    )
+    assert done.usage.prompt_tokens == counted["count"]
+    status, refused = await server.post("/tokenize", {"prompt": "a", "tools": TOOLS})
+    assert status == 400 and refused["error"]["param"] == "tools"
+    status, refused = await server.post("/tokenize", {"messages": ASK, "tools": [{"x": 1}]})
+    assert status == 400 and "tools[0]" in refused["error"]["param"]

@@ -252,6 +252,11 @@ class Conductor:
 
     def _on_terminal(self, msg: Output | Void) -> None:
         if isinstance(msg, Output):
+            record = self.scheduler.in_flight[msg.pass_id]
+            # A grammar that the pass completes ends its request with `stop`
+            # before the scheduler takes the tokens (which may reach
+            # max_tokens: `stop` is still the reason); the log keeps that order.
+            self._advance_grammars(record.decision, msg)
             if self._trace:
                 log.debug(
                     "pass.output",
@@ -260,10 +265,8 @@ class Conductor:
                     fallbacks=msg.fallbacks,
                     accepted=msg.accepted,
                 )
-            record = self.scheduler.in_flight[msg.pass_id]
             taken = self.scheduler.tokens_taken
             touched = self.scheduler.on_output(msg)
-            self._advance_grammars(record.decision, msg)
             self.metrics.passes += 1
             self.metrics.generation_tokens += self.scheduler.tokens_taken - taken
         else:

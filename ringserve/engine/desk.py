@@ -183,10 +183,11 @@ class RequestDesk:
         self.metrics.e2e.observe(time.monotonic() - handle.submitted)
         self.metrics.prompt_lens.observe(len(req.prompt))
         self.metrics.output_lens.observe(len(req.output))
-        if req.finish_reason and req.finish_reason.startswith("error"):
+        reason = handle.finish_reason
+        if reason and reason.startswith("error"):
             self.metrics.requests_failed += 1
-        elif req.finish_reason in ("stop", "length"):
-            self.metrics.finished[req.finish_reason] += 1
+        elif reason in ("stop", "length"):
+            self.metrics.finished[reason] += 1
         else:  # vLLM's third reason; the label stays one of three
             self.metrics.finished["abort"] += 1
         timer = self._timers.pop(req.req_id, None)

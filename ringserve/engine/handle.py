@@ -51,6 +51,14 @@ class RequestHandle:
         """How many of the request's tokens are its output."""
         return len(self.req.output) if self.stop_at is None else self.stop_at
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The request's, but `stop` where a stop string ended its text:
+        the pass that brought the string's last token may also have reached
+        max_tokens, which the scheduler saw first."""
+        reason = self.req.finish_reason
+        return "stop" if reason == "length" and self.stop_at is not None else reason
+
     def take_new_tokens(self) -> Delta | None:
         """Turn the request's new tokens into a Delta (None if nothing new)."""
         end = self.kept
@@ -70,7 +78,7 @@ class RequestHandle:
         lp = self.req.logprobs[self.fed : end] if self.req.params.logprobs is not None else None
         top = self.req.top_logprobs[self.fed : end] if self.req.params.logprobs else None
         self.fed = end
-        delta = Delta(text, new, lp, top, self.req.finish_reason if finished else None)
+        delta = Delta(text, new, lp, top, self.finish_reason if finished else None)
         self.done = finished
         if self._awaited is None:
             self.queue.put_nowait(delta)
@@ -111,7 +119,7 @@ class RequestHandle:
             prompt_token_ids=req.prompt,
             token_ids=req.output[: self.kept],
             text=self.stream.text,
-            finish_reason=req.finish_reason,
+            finish_reason=self.finish_reason,
             logprobs=req.logprobs[: self.kept] if req.params.logprobs is not None else None,
             top_logprobs=req.top_logprobs[: self.kept] if req.params.logprobs else None,
             cached_tokens=req.cached_tokens,

@@ -258,7 +258,7 @@ class NativeSampling(Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[BiasKey, float] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     bad_words: list[StopText] | None = None

@@ -85,14 +85,35 @@ def _made(field: str, **given: Any) -> StructuredOutputsParams | None:
         raise bad_request(str(exc), param=field) from None
 
 
+# JSON Schema's keywords whose values are schemas: one, a list of them, or
+# a map of names to them. Other values (`const`, `enum`, `default`,
+# `examples`, ...) are data, never rewritten.
+_ONE_SCHEMA = frozenset(
+    {"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then",
+     "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties"}
+)  # fmt: skip
+_LIST_OF_SCHEMAS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_MAP_OF_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
 def closed(schema: Any) -> Any:
     """`schema` with every object schema that does not say otherwise closed
-    to properties it does not name: OpenAI's strict mode."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
+    to properties it does not name: OpenAI's strict mode. An object schema
+    is one whose `type` is or includes "object", or that names properties."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if out.get("type") == "object" and "additionalProperties" not in out:
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _MAP_OF_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        elif key in _LIST_OF_SCHEMAS and isinstance(value, list):
+            out[key] = [closed(sub) for sub in value]
+        elif key in _ONE_SCHEMA:
+            out[key] = closed(value)
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if (is_object or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -185,7 +185,8 @@ class Scheduler:
         if req is None or req.phase is Phase.FINISHED:
             return
         if req.in_flight:
-            req.abort_reason = reason  # applied when its pass returns
+            # applied when its pass returns; the first reason given stands
+            req.abort_reason = req.abort_reason or reason
         else:
             self._finish(req, reason)
 
