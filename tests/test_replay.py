@@ -213,6 +213,34 @@ def test_a_launched_wedge_stopped_by_sigterm_replays_with_its_true_chain(tmp_pat
     assert in_order or stopped, (rank1[-5:], server.output()[-500:])
 
 
+@pytest.mark.timeout(180)
+def test_a_launched_ring_stopped_by_sigterm_under_load_replays_consistent(tmp_path):
+    """A signal lands while passes are in flight: rank 0 launches no more
+    and lets those end before SHUTDOWN goes round, so every pass has its
+    terminal and nothing looks wedged (rank 1 used to take SHUTDOWN while
+    still computing a pass, whose terminal never came)."""
+    with Launched("--pp", "2", "--log-dir", str(tmp_path)) as server:
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+        for _ in range(8):
+            threading.Thread(target=_post_quietly, args=(server.url, body), daemon=True).start()
+        _wait_until(lambda: _generated(server.url) > 200, 60)
+        server.stop(signal.SIGTERM)
+        assert server.proc.returncode == 0, server.output()[-500:]
+    report = replay(tmp_path)
+    assert report.kinds() == set() and report.wedge is None, report.render()
+    assert report.rerun.reproduced and report.rerun.aborts == 8
+
+
+def _generated(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("ringserve_generation_tokens_total")
+    )
+
+
 def _post_quietly(url: str, body: dict) -> None:
     request = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}

@@ -32,6 +32,8 @@ from ringserve.sched.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
 
+DRAIN_POLL_S = 0.005  # how often `drain` looks for the passes in flight to have ended
+
 
 class Conductor:
     """Invariant: every pass sent is in `scheduler.in_flight` until its one
@@ -62,6 +64,7 @@ class Conductor:
         self._wake = asyncio.Event()
         self._launched = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._draining = False  # set by `drain`: no pass is launched after it
         self.failure: str | None = None
         self.ranks = RankReports()  # the other ranks' totals, as heartbeats bring them
         self._trace = logs.tracing()  # asked once: digests per pass are not free
@@ -149,9 +152,21 @@ class Conductor:
             for t in self._tasks:
                 t.cancel()
 
+    async def drain(self, timeout_s: float) -> None:
+        """Launch no more passes, and wait (at most `timeout_s`, and not past
+        a failure) until those in flight have their terminals: a shutdown then
+        leaves no pass half-done on any rank, and the logs replay whole.
+        Requests still live stay so; the caller ends them."""
+        self._draining = True
+        self._wake.set()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.scheduler.in_flight and self.failure is None and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+
     async def _pump(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._draining:
             if self.drafter is not None:
                 await self._draft(loop)
             decision = self.scheduler.schedule()
@@ -159,7 +174,8 @@ class Conductor:
                 if self._trace:  # the call may have evicted or retracted: a re-run repeats it
                     log.debug("decision.none", next_pass_id=self.scheduler.next_pass_id)
                 self._wake.clear()
-                await self._wake.wait()
+                if not self._draining:
+                    await self._wake.wait()
                 continue
             await self._launch(loop, decision)
 

@@ -15,6 +15,7 @@ from ringserve.http.options import HttpOptions
 log = structlog.get_logger(__name__)
 
 SHUTDOWN_S = 5.0  # longest wait for handlers once the server stops
+DRAIN_S = 2.0  # longest wait for the passes in flight at a signal (the launcher allows 6 s in all)
 
 
 async def serve(
@@ -22,9 +23,11 @@ async def serve(
 ) -> str:
     """Serve until SIGINT/SIGTERM or until the ring fails; returns why it ended.
 
-    On the way out the conductor stops, so no request still live can finish:
-    each ends now with the reason (a stream gets its error event), and the
-    server waits at most `SHUTDOWN_S` for their handlers to write it."""
+    On the way out the conductor launches no more passes and lets those in
+    flight end (at most `DRAIN_S`), so every pass has its terminal; then no
+    request still live can finish: each ends now with the reason (a stream
+    gets its error event), and the server waits at most `SHUTDOWN_S` for
+    their handlers to write it."""
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
@@ -40,6 +43,8 @@ async def serve(
     if ready is not None:
         ready.write_text(url)
     await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if conductor.failure is None and not running.done():
+        await conductor.drain(DRAIN_S)
     reason = conductor.failure or "stopped by signal"
     running.cancel()
     stopping.cancel()
