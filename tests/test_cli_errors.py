@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,6 +28,19 @@ def unknown_family(tmp) -> str:
     return str(model)
 
 
+def broken_model(tmp, name: str, config: dict | None = None, cut_weights: bool = False) -> str:
+    """A copy of the built-in model with its config replaced, or its
+    weights cut short as an interrupted copy leaves them."""
+    model = tmp / name
+    shutil.copytree(builtin_model_dir(), model)
+    if config is not None:
+        (model / "config.json").write_text(json.dumps(config))
+    if cut_weights:
+        weights = model / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size // 2)
+    return str(model)
+
+
 def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
@@ -36,6 +50,14 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
         port = held.getsockname()[1]
         cases = {
             "missing model": (["launch", "--model", str(tmp_path / "nope")], "no such directory"),
+            "config missing a size": (
+                ["launch", "--model", broken_model(tmp_path, "partial", {"model_type": "llama"})],
+                "config.json has no 'num_attention_heads', which a llama config needs",
+            ),
+            "weights cut short": (
+                ["launch", "--model", broken_model(tmp_path, "cut", cut_weights=True)],
+                "model.safetensors is truncated",
+            ),
             "bad budget list": (
                 ["launch", "--pp", "2", "--rank-memory-mib", "9000,lots"],
                 "--rank-memory-mib '9000,lots': give comma-separated integers",

@@ -73,17 +73,27 @@ def test_sharded_index_lists_every_tensor_with_its_file_and_size(llama_dir: Path
         assert info.nbytes == tensor.numel() * tensor.element_size()
 
 
-def test_index_reads_headers_only(llama_dir: Path, tmp_path: Path) -> None:
-    # Every shard cut right after its header: no tensor data left to read.
+def test_index_reads_headers_only_and_refuses_a_cut_file(llama_dir: Path, tmp_path: Path) -> None:
+    # Every shard's data a hole of its size (zeros, never written): the
+    # headers say it all. Cut right after the header, a shard is refused.
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for d in (whole, cut):
+        d.mkdir()
+        shutil.copy(llama_dir / "model.safetensors.index.json", d)
     for src in llama_dir.glob("*.safetensors"):
         raw = src.read_bytes()
-        (tmp_path / src.name).write_bytes(raw[: 8 + int.from_bytes(raw[:8], "little")])
-    shutil.copy(llama_dir / "model.safetensors.index.json", tmp_path)
+        head = raw[: 8 + int.from_bytes(raw[:8], "little")]
+        (cut / src.name).write_bytes(head)
+        with (whole / src.name).open("wb") as f:
+            f.write(head)
+            f.truncate(len(raw))
 
     def summary(index: WeightIndex) -> dict:
         return {n: (i.file.name, i.dtype, i.shape, i.nbytes) for n, i in index.tensors.items()}
 
-    assert summary(WeightIndex.from_dir(tmp_path)) == summary(WeightIndex.from_dir(llama_dir))
+    assert summary(WeightIndex.from_dir(whole)) == summary(WeightIndex.from_dir(llama_dir))
+    with pytest.raises(ValueError, match="is truncated: its header places tensors up to byte"):
+        WeightIndex.from_dir(cut)
 
 
 def test_part_of_names_layer_embedding_and_head(llama_dir: Path, bigcode_dir: Path) -> None:

@@ -141,13 +141,31 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: a model directory needs config.json")
-        cfg = cls.from_dict(json.loads(path.read_text()))
+        raw = _json_object(path)
+        try:
+            cfg = cls.from_dict(raw)
+        except KeyError as exc:
+            kind = raw.get("model_type") or "model"
+            raise ValueError(f"{path} has no {exc.args[0]!r}, which a {kind} config needs") from None
+        except TypeError as exc:
+            raise ValueError(f"{path}: a field has the wrong type ({exc})") from None
         gen = Path(model_dir) / "generation_config.json"
         if gen.is_file():
-            extra = _ids(json.loads(gen.read_text()).get("eos_token_id"))
+            extra = _ids(_json_object(gen).get("eos_token_id"))
             merged = tuple(dict.fromkeys(cfg.eos_token_ids + extra))
             cfg = _replace(cfg, eos_token_ids=merged)
         return cfg
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; ValueError naming the file otherwise."""
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return raw
 
 
 def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:

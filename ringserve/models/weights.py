@@ -108,13 +108,26 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         header = json.loads(raw)
     except ValueError as e:
         raise ValueError(f"{path}: safetensors header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
-    return {
-        name: TensorInfo(
-            path, e["dtype"], tuple(e["shape"]), e["data_offsets"][1] - e["data_offsets"][0]
+    try:
+        tensors = {
+            name: TensorInfo(
+                path, e["dtype"], tuple(e["shape"]), e["data_offsets"][1] - e["data_offsets"][0]
+            )
+            for name, e in header.items()
+        }
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path}: a safetensors header entry is malformed ({e!r})") from None
+    size = path.stat().st_size
+    if 8 + length + end > size:  # a copy cut short: found here, not by a rank's loader
+        raise ValueError(
+            f"{path} is truncated: its header places tensors up to byte {8 + length + end}, "
+            f"the file has {size}"
         )
-        for name, e in header.items()
-    }
+    return tensors
 
 
 class WeightIndex:
