@@ -8,6 +8,7 @@ code 2; `--debug` shows the traceback instead."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 from dataclasses import fields, replace
@@ -240,8 +241,9 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
+            fix = "another --host" if exc.errno == errno.EADDRNOTAVAIL else "another --port"
             raise UserError(
-                f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port"
+                f"cannot listen on {host}:{port} ({exc.strerror}); pick {fix}"
             ) from None
 
 
@@ -259,6 +261,8 @@ def _check_launch(args: argparse.Namespace) -> None:
         raise UserError(f"--nnodes {args.nnodes}: a ring runs on at least one node")
     if args.nnodes > 1 and args.master_port is None:
         raise UserError("--master-port is required with --nnodes > 1")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser")
     for flag, value in (
         ("--api-key", args.api_key),
         ("--served-model-name", args.served_model_name),
@@ -305,8 +309,6 @@ def _launch(args: argparse.Namespace) -> int:
     name = args.served_model_name
     if name is None and args.model is not None and not Path(args.model).is_dir():
         name = args.model
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise UserError("--enable-auto-tool-choice needs --tool-call-parser")
     http = HttpOptions(
         host=args.host,
         port=args.port,

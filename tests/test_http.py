@@ -492,6 +492,16 @@ BAD_REQUESTS = {
 }
 
 
+_CONTEXT_EXCEEDED = {
+    "absurd_max_tokens",
+    "prompt_over_context",
+    "prompt_and_max_tokens_over_context",
+    "messages_and_completion_tokens_over_context",
+    "second_prompt_over_context",
+    "absurd_completion_tokens",
+}
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 async def test_bad_input_is_refused_with_a_message_and_disturbs_nothing(
@@ -507,6 +517,8 @@ async def test_bad_input_is_refused_with_a_message_and_disturbs_nothing(
     assert error["param"] == param
     if case == "unknown_model":
         assert error["code"] == "model_not_found"
+    if case in _CONTEXT_EXCEEDED:  # OpenAI's code, whichever of the lengths is too long
+        assert error["code"] == "context_length_exceeded", error
     await server.wait_idle()
     assert server.conductor.metrics.generation_tokens == 0  # nothing of it ran
     await server.assert_serving()

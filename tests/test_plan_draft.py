@@ -151,7 +151,7 @@ def test_a_draft_rank_0_cannot_hold_is_refused_naming_it():
     assert worst.rank == 0 and worst.draft is not None and worst.headroom < 0
     kv = worst.draft.kv.bytes
     assert kv == 2064 * QWEN_DRAFT.kv_per_token.bytes  # 2049 tokens, rounded up to a page
-    assert "draft 12.3 (weights 12.0, KV 0.1, activations 0.2), activations 0.4)" in message
+    assert "draft 12.3 GiB (weights 12.0 GiB, KV 112.9 MiB, activations 200.0 MiB)" in message
     assert message.endswith("or a smaller draft model")
     parts = worst.weights.bytes + worst.kv.bytes + worst.activations.bytes + worst.draft.total
     assert worst.headroom == worst.budget.bytes - parts

@@ -181,6 +181,7 @@ def bounded_max_tokens(
         raise bad_request(
             f"{param} is {max_tokens}, more than this model's context of {context} tokens",
             param=param,
+            code="context_length_exceeded",
         )
     if prompt_len is not None and prompt_len < context < prompt_len + max_tokens:
         raise bad_request(

@@ -23,6 +23,7 @@ from ringserve.engine.handle import Delta, RequestHandle
 from ringserve.http.errors import ApiError, bad_request
 from ringserve.http.responses import PromptTokensDetails, Usage
 from ringserve.params import RequestOutput, SamplingParams
+from ringserve.sched.scheduler import PromptTooLong
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +93,8 @@ class Submission:
             self.abort()
             first = str(exc).split(" ", 1)[0]
             param = first if first in _PARAMS_CHECKED_AT_SUBMIT else self.prompt_param
-            raise bad_request(str(exc), param=param) from None
+            code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
+            raise bad_request(str(exc), param=param, code=code) from None
         except QueueFull as exc:
             self.abort()
             raise rate_limited(exc) from None

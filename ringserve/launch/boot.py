@@ -213,8 +213,13 @@ def build_rank_zero(config: EngineConfig, cfg: ModelConfig, world: int) -> RankZ
         allocator,
         prefix_cache(allocator, config.host_kv_tokens),
     )
-    return RankZero(
-        scheduler,
-        Tokenizer.from_dir(config.model_dir),
-        RequestFactory(frozenset(cfg.eos_token_ids)),
-    )
+    tokenizer = Tokenizer.from_dir(config.model_dir)
+    if tokenizer is None:
+        others = sorted(p.name for p in config.model_dir.glob("tokenizer*") if p.is_file())
+        log.warning(
+            "tokenizer.none",
+            model_dir=str(config.model_dir),
+            found=others,
+            note="no tokenizer.json: prompts must come as token ids, and text is not written",
+        )
+    return RankZero(scheduler, tokenizer, RequestFactory(frozenset(cfg.eos_token_ids)))

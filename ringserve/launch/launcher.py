@@ -117,10 +117,11 @@ class Launcher:
         if not self.stopping:
             self.stop_deadline = time.monotonic() + RING_SHUTDOWN_S
         self.stopping = True
-        if 0 in self.procs and self.procs[0].poll() is None:
+        serving = 0 in self.procs and self.ready_file.exists()
+        if serving and self.procs[0].poll() is None:
             self.procs[0].send_signal(signal.SIGTERM)  # rank 0 shuts the ring down
-        else:
-            self.stop()
+        else:  # no ring yet (ranks still connecting or loading): each rank stops now
+            self.stop(grace_s=0.0)
 
     def stop(self, grace_s: float = 6.0) -> None:
         stop_processes(list(self.procs.values()), grace_s)

@@ -146,7 +146,9 @@ class ModelConfig:
             cfg = cls.from_dict(raw)
         except KeyError as exc:
             kind = raw.get("model_type") or "model"
-            raise ValueError(f"{path} has no {exc.args[0]!r}, which a {kind} config needs") from None
+            raise ValueError(
+                f"{path} has no {exc.args[0]!r}, which a {kind} config needs"
+            ) from None
         except TypeError as exc:
             raise ValueError(f"{path}: a field has the wrong type ({exc})") from None
         gen = Path(model_dir) / "generation_config.json"

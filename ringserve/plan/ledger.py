@@ -224,15 +224,16 @@ class PlanError(ValueError):
 
 
 def shortfall_message(entry: RankLedger, capacity_tokens: int, split: tuple[int, ...]) -> str:
-    """`rank 2 cannot hold its slice: needs 9.4 GiB, budget 9.0 GiB (...)`."""
+    """`rank 2 cannot hold its slice: needs 9.4 GiB, budget 9.0 GiB (...)`
+    (MiB below a GiB, where a tenth of a GiB would read as nothing)."""
     layers = entry.layers
     return (
         f"rank {entry.rank} cannot hold its slice of {len(layers)} layers "
         f"({layers.start}-{layers.stop - 1}) with a KV pool of {capacity_tokens} tokens: "
-        f"needs {_gib(entry.needs)} GiB, budget {_gib(entry.budget.bytes)} GiB, "
-        f"short by {_mib(-entry.headroom)} MiB (weights {_gib(entry.weights.bytes)}, "
-        f"KV {_gib(entry.kv.bytes)}, {_draft_part(entry)}"
-        f"activations {_gib(entry.activations.bytes)}); "
+        f"needs {_size(entry.needs)}, budget {_size(entry.budget.bytes)}, "
+        f"short by {_size(-entry.headroom)} (weights {_size(entry.weights.bytes)}, "
+        f"KV {_size(entry.kv.bytes)}, {_draft_part(entry)}"
+        f"activations {_size(entry.activations.bytes)}); "
         f"that is the best layer split there is, {list(split)}: give rank {entry.rank} "
         f"more memory, add a rank, or serve a smaller dtype"
         + (" or a smaller draft model" if entry.draft is not None else "")
@@ -245,17 +246,17 @@ def _draft_part(entry: RankLedger) -> str:
     if d is None:
         return ""
     return (
-        f"draft {_gib(d.total)} (weights {_gib(d.weights.bytes)}, KV {_gib(d.kv.bytes)}, "
-        f"activations {_gib(d.activations.bytes)}), "
+        f"draft {_size(d.total)} (weights {_size(d.weights.bytes)}, KV {_size(d.kv.bytes)}, "
+        f"activations {_size(d.activations.bytes)}), "
     )
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.1f}"
 
 
 def _mib(n: int) -> str:
     return f"{n / MIB:.1f}"
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,26 +51,35 @@ class Objective:
         if self.min_kv_tokens is not None and self.min_kv_tokens < 1:
             raise ValueError(f"min_kv_tokens must be positive, got {self.min_kv_tokens}")
 
-    def floor_pages(self, least: int, top: int, page_size: int) -> int:
+    def floor_pages(self, least: int, top: int, page_size: int, capped: bool = False) -> int:
         """The fewest pages a plan may hold: `least` (one largest pass),
         --min-kv-tokens, and in balanced mode BALANCED_PERCENT below `top`,
-        the most pages any split holds. Refuses when above `top`."""
+        the most pages any split holds (`capped`: the configured cap, not
+        memory, set it). Refuses when above `top`."""
         floor = max(least, -(-(self.min_kv_tokens or 0) // page_size))
         if self.plan_for == "balanced":
             floor = max(floor, -(-top * (100 - BALANCED_PERCENT) // 100))
         if floor > top:
+            fix = (
+                "raise --kv-capacity-tokens, which caps the pool when no budgets are given"
+                if capped
+                else "give the ranks more memory, or add a rank"
+            )
             raise PlanError(
                 f"no layer split holds --min-kv-tokens {self.min_kv_tokens}: the most any "
                 f"split holds is {top * page_size} tokens, {floor * page_size - top * page_size} "
-                f"short; lower --min-kv-tokens, give the ranks more memory, or add a rank"
+                f"short; lower --min-kv-tokens, or {fix}"
             )
         return floor
 
 
-def paced(rig: Rig, objective: Objective, least: int, top: int, page_size: int) -> Plan:
+def paced(
+    rig: Rig, objective: Objective, least: int, top: int, page_size: int, capped: bool = False
+) -> Plan:
     """The plan for throughput or balanced, given that `least` pages fit
-    and `top` is the most pages any split holds (both within any cap)."""
-    floor = objective.floor_pages(least, top, page_size)
+    and `top` is the most pages any split holds (both within any cap;
+    `capped`: the cap set `top`)."""
+    floor = objective.floor_pages(least, top, page_size, capped)
     caps = rig.caps_for(_fastest_bottleneck(rig, floor * page_size))
     pages = rig.largest_pages(floor, top, page_size, caps)
     split = rig.best_split(pages * page_size, caps)[1]

@@ -100,13 +100,14 @@ def solve(
     value, split = rig.best_split(lo * page_size)
     if value < 0:
         raise _refusal(rig, split, lo * page_size)
-    hi = max(lo, _page_bound(rig, page_size))
+    hi = bound = max(lo, _page_bound(rig, page_size))
     if max_capacity_tokens is not None:
         hi = max(lo, min(hi, max_capacity_tokens // page_size))
     top = rig.largest_pages(lo, hi, page_size, None)
+    capped = hi < bound and top == hi  # memory would hold more than the cap allows
     if objective.plan_for != "capacity":
-        return paced(rig, objective, lo, top, page_size)
-    objective.floor_pages(lo, top, page_size)  # refuses a --min-kv-tokens above the top
+        return paced(rig, objective, lo, top, page_size, capped)
+    objective.floor_pages(lo, top, page_size, capped)  # refuses a --min-kv-tokens above the top
     capacity = top * page_size
     split = rig.best_split(capacity)[1]
     return Plan(split, capacity, page_size, rig.ledger(split, capacity))

@@ -29,6 +29,11 @@ from ringserve.sched.table import RequestTable
 log = structlog.get_logger(__name__)
 
 
+class PromptTooLong(ValueError):
+    """A prompt this server can never run: longer than the context, or
+    than the KV pool holds."""
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Budgets of one pass. `passes_in_flight` is the pipeline depth S, the
@@ -169,11 +174,11 @@ class Scheduler:
         if n == 0:
             raise ValueError("prompt is empty")
         if n >= self.config.max_model_len:
-            raise ValueError(
+            raise PromptTooLong(
                 f"prompt has {n} tokens; the model's context is {self.config.max_model_len}"
             )
         if n + 1 > self.allocator.capacity - 1:
-            raise ValueError(f"prompt of {n} tokens cannot fit the KV pool of this server")
+            raise PromptTooLong(f"prompt of {n} tokens cannot fit the KV pool of this server")
         self.table.add(req)
 
     def abort(self, req_id: int, reason: str = "abort") -> None:
