@@ -462,5 +462,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         logs.say(" ".join(str(exc).split()))
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handler is set (or with none)
+        if args.debug:
+            raise
+        logs.say("interrupted")
+        return 130
     finally:
         scope.close()

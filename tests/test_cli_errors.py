@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -206,3 +208,26 @@ def test_fault_rules_that_do_not_parse_are_one_line_and_exit_2():
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ringserve: RINGSERVE_FAULTS"), done.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130():
+    """Ctrl-C in a command without a handler of its own (here `bench`
+    waiting on a server that never answers) says so in one line."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        argv = ["bench", "--port", str(held.getsockname()[1]), "--num-prompts", "1"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ringserve", *argv],
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(3)  # well inside the wait for /v1/models
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err.strip() == "ringserve: interrupted", err
