@@ -42,6 +42,10 @@ def two_long_decodes(host: int) -> tuple[Scheduler, list[Decision], list[list[in
     for req in reqs:
         sched.add(req)
     decisions = run(sched)
+    # The prompts share nothing: a retracted request resuming from what it
+    # computed itself (its prompt and output, kept by the tier) found none of
+    # its prompt cached (that count exceeded the prompt before).
+    assert [r.cached_tokens for r in reqs] == [0, 0]
     return sched, decisions, [r.output for r in reqs]
 
 

@@ -52,7 +52,8 @@ class Admission:
             reuse, slots = taken
             self.table.start(req)
             req.row = list(reuse)
-            req.cached_tokens = max(req.cached_tokens, len(reuse))
+            if not req.admitted:  # after a retraction the reuse is its own prompt and output
+                req.cached_tokens, req.admitted = min(len(reuse), len(req.prompt)), True
             history = req.tokens[: len(reuse)] if req.spec.needs_history else None
             draft.admitted.append(NewRequest(req.req_id, req.spec, history))
             draft.add(req, slots, reuse)

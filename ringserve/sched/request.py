@@ -35,7 +35,8 @@ class Request:
     row: list[int] = field(default_factory=list)
     node: Any = None
     private: set[int] = field(default_factory=set)
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens its first admission found computed
+    admitted: bool = False  # once: a re-admission reuses what it computed itself
     in_flight: bool = False
     retries: int = 0
     solo: bool = False  # rode in a voided pass: runs alone until a pass of it succeeds
