@@ -170,7 +170,11 @@ class _Tee:
         self.level = level
         self.console_level = console_level
         self.encoder = msgspec.json.Encoder(enc_hook=str)
-        self.render = structlog.dev.ConsoleRenderer(colors=False)
+        # plain tracebacks: a rich one renders every frame's locals (a request's
+        # body among them), which took the event loop minutes on a deep one
+        self.render = structlog.dev.ConsoleRenderer(
+            colors=False, exception_formatter=structlog.dev.plain_traceback
+        )
         if sink is not None:  # flushed and closed when dropped, or at exit
             weakref.finalize(self, sink.close)
 

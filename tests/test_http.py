@@ -483,6 +483,18 @@ BAD_REQUESTS = {
         400,
         "chat_template_kwargs",
     ),
+    "nested_deeper_than_a_body_may": (
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 2, "user": ' + b"[" * 500 + b"]" * 500 + b"}",
+        400,
+        None,
+    ),
+    "nested_deeper_than_the_decoder_goes": (
+        "/v1/completions",
+        b'{"prompt": "hi", "guided_json": ' + b'{"a":' * 100000 + b"1" + b"}" * 100001,
+        400,
+        None,
+    ),
     "legacy_functions": (
         "/v1/chat/completions",
         {"messages": MESSAGES, "functions": [{"name": "f", "parameters": {}}]},
@@ -556,6 +568,16 @@ async def test_api_key_is_required_except_on_health_and_metrics() -> None:
         assert (await server.get("/v1/models"))[0] == 401
         good = {"Authorization": "Bearer s3cret"}
         assert (await server.post("/v1/completions", body, headers=good))[0] == 200
+        # bytes that are not UTF-8 in the header: a refusal, not a 500
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+            b"Connection: close\r\n\r\n"
+        )
+        status_line = await reader.readline()
+        writer.close()
+        assert status_line.split()[1] == b"401", status_line
         assert (await server.get("/health"))[0] == 200
         assert (await server.get("/metrics"))[0] == 200
 

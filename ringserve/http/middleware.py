@@ -58,7 +58,8 @@ def auth_middleware(api_key: str | None, open_paths: frozenset[str]) -> Handler:
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if expected is None or request.path in open_paths:
             return await handler(request)
-        given = request.headers.get("Authorization", "").encode()
+        # aiohttp keeps a header's non-UTF-8 bytes as surrogates: compare the bytes sent
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, expected):
             raise ApiError(
                 401,

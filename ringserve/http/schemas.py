@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from ringserve.http.errors import invalid_body
+from ringserve.http.errors import ApiError, bad_request, invalid_body
 from ringserve.params import MAX_TOP_K, MAX_TOP_LOGPROBS
 
 MAX_N = 16  # choices per prompt
@@ -374,10 +374,25 @@ async def read_json(request: web.Request, kind: type[T]) -> T:
         raise invalid_body(exc) from None
     except UnicodeDecodeError as exc:  # msgspec checks strings' UTF-8 apart
         raise invalid_body(msgspec.DecodeError(f"it is not UTF-8 ({exc.reason})")) from None
+    except RecursionError:
+        raise _too_deep() from None
     try:
         return msgspec.convert(_whole_numbers(_unset_nulls(decoded)), kind)
     except msgspec.DecodeError as exc:
         raise invalid_body(exc) from None
+
+
+# How deep a body's arrays and objects may nest: a JSON schema of a real
+# tool or answer is a few tens of levels; every walk of the body (here and
+# in the grammar backends) recurses.
+MAX_NESTING = 64
+
+
+def _too_deep() -> ApiError:
+    return bad_request(
+        f"request body nests arrays and objects deeper than {MAX_NESTING} levels",
+        code="invalid_json",
+    )
 
 
 def _unset_nulls(body: Any) -> Any:
@@ -389,13 +404,16 @@ def _unset_nulls(body: Any) -> Any:
     return body
 
 
-def _whole_numbers(value: Any) -> Any:
+def _whole_numbers(value: Any, depth: int = 0) -> Any:
     """`value` with every float that has no fraction as an int: JSON Schema's
-    integer is any such number (`2.0` too), and msgspec's int is not."""
+    integer is any such number (`2.0` too), and msgspec's int is not. A 400
+    past MAX_NESTING levels."""
     if isinstance(value, float):
         return int(value) if value.is_integer() else value
+    if isinstance(value, (list, dict)) and depth >= MAX_NESTING:
+        raise _too_deep()
     if isinstance(value, list):
-        return [_whole_numbers(v) for v in value]
+        return [_whole_numbers(v, depth + 1) for v in value]
     if isinstance(value, dict):
-        return {k: _whole_numbers(v) for k, v in value.items()}
+        return {k: _whole_numbers(v, depth + 1) for k, v in value.items()}
     return value
