@@ -385,7 +385,7 @@ async def read_json(request: web.Request, kind: type[T]) -> T:
 # How deep a body's arrays and objects may nest: a JSON schema of a real
 # tool or answer is a few tens of levels; every walk of the body (here and
 # in the grammar backends) recurses.
-MAX_NESTING = 64
+MAX_NESTING = 128
 
 
 def _too_deep() -> ApiError:
