@@ -117,8 +117,9 @@ class Launcher:
         if not self.stopping:
             self.stop_deadline = time.monotonic() + RING_SHUTDOWN_S
         self.stopping = True
-        serving = 0 in self.procs and self.ready_file.exists()
-        if serving and self.procs[0].poll() is None:
+        if 0 not in self.procs or self.procs[0].poll() is not None:
+            self.stop()  # another node's ranks end with rank 0's SHUTDOWN, or after the grace
+        elif self.ready_file.exists():
             self.procs[0].send_signal(signal.SIGTERM)  # rank 0 shuts the ring down
         else:  # no ring yet (ranks still connecting or loading): each rank stops now
             self.stop(grace_s=0.0)
