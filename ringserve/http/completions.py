@@ -44,8 +44,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompts = completion_prompts(served, body.prompt)
     refuse_unsupported(body, len(prompts))
     structured, grammar_param = structured_params(body)
-    scoring = _scoring(body)
-    max_tokens = completion_max_tokens(served, body, [len(p) for p in prompts])
+    scoring = _scoring(body)  # run as one token whose output is dropped, as vLLM does
+    max_tokens = 1 if scoring else completion_max_tokens(served, body, [len(p) for p in prompts])
     judged = completion_prompt_logprobs(body)
     params = choice_params(body, max_tokens, body.logprobs, structured, judged)
     # With `echo`, each choice's text begins with its prompt's.
@@ -72,8 +72,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 def _scoring(body: CompletionRequest) -> bool:
     """`max_tokens: 0` with `echo`, OpenAI's legacy way to score a prompt:
-    its text (and with `logprobs`, its tokens' logprobs) and nothing more.
-    The engine runs it as one token whose output is dropped, as vLLM does."""
+    its text (and with `logprobs`, its tokens' logprobs) and nothing more."""
     if body.max_tokens != 0:
         return False
     if not body.echo:
@@ -83,7 +82,6 @@ def _scoring(body: CompletionRequest) -> bool:
         )
     if body.min_tokens > 0:
         raise bad_request("min_tokens must be at most max_tokens", param="min_tokens")
-    body.max_tokens = 1
     return True
 
 

@@ -15,7 +15,7 @@ from ringserve.http.prompts import chat_prompt, checked_ids, encode_text
 from ringserve.http.responses import json_response
 from ringserve.http.schemas import ChatMessage, PromptId, Tool, read_json
 from ringserve.http.served import SERVED
-from ringserve.http.tools import plan_tools
+from ringserve.http.tools import tool_functions
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -72,7 +72,7 @@ def _template(body: TokenizeRequest) -> dict[str, Any]:
     template: dict[str, Any] = {}
     if body.tools:
         tools = msgspec.to_builtins(body.tools)
-        plan_tools(tools, "none", True, None)  # each must be a named function
+        tool_functions(tools)  # each must be a named function
         template["tools"] = tools
     return template | (body.chat_template_kwargs or {})
 

@@ -117,7 +117,7 @@ def plan_tools(
 ) -> ToolPlan:
     """The plan for a request's `tools` and `tool_choice`; a 400 naming the
     field when they do not fit together or the server cannot serve them."""
-    functions = _functions(tools or [])
+    functions = tool_functions(tools or [])
     if tool_choice is None:
         tool_choice = "auto" if functions and parser is not None else "none"
     if tool_choice == "none" or not functions:
@@ -141,8 +141,9 @@ def plan_tools(
     return ToolPlan("named", tools, StructuredOutputsParams(json=functions[name]), name)
 
 
-def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each function's name and parameters schema."""
+def tool_functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each function's name and parameters schema; a 400 naming the tool
+    that is not a named function."""
     out = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if tool.get("type", "function") == "function" else None
