@@ -23,14 +23,6 @@ from tests.launched import free_port
 pytestmark = pytest.mark.timeout(120)
 
 
-def unknown_family(tmp) -> str:
-    model = tmp / "mamba"
-    model.mkdir()
-    config = json.loads((builtin_model_dir() / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
-    return str(model)
-
-
 def broken_model(tmp, name: str, config: dict | None = None, cut_weights: bool = False) -> str:
     """A copy of the built-in model with its config replaced, or its
     weights cut short as an interrupted copy leaves them."""
@@ -45,6 +37,7 @@ def broken_model(tmp, name: str, config: dict | None = None, cut_weights: bool =
 
 
 def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
+    builtin = json.loads((builtin_model_dir() / "config.json").read_text())
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
     with socket.socket() as held:
@@ -85,7 +78,13 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 "rank 1 cannot hold its slice",
             ),
             "unknown family": (
-                ["plan", "--model", unknown_family(tmp_path), "--rank-memory-mib", "900"],
+                [
+                    "plan",
+                    "--model",
+                    broken_model(tmp_path, "mamba", {**builtin, "model_type": "mamba"}),
+                    "--rank-memory-mib",
+                    "900",
+                ],
                 "unsupported model_type 'mamba'",
             ),
             "unknown device": (
