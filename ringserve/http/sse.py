@@ -66,7 +66,8 @@ async def data_payloads(content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """The reading end: the `data:` payload of every line of a stream's
     body, however long a line is (aiohttp's own line reader gives up on a
     line longer than its buffer, and an echoed prompt's logprobs make one).
-    `content` yields the body's bytes as they come (`StreamReader.iter_any()`)."""
+    `content` yields the body's bytes as they come (`StreamReader.iter_any()`).
+    A last line cut short, with no newline, is not an event (as in the SSE spec)."""
     parts: list[bytes] = []
     async for piece in content:
         while (cut := piece.find(b"\n")) >= 0:
@@ -75,6 +76,3 @@ async def data_payloads(content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             if line.startswith(b"data:"):
                 yield line[len(b"data:") :].strip()
         parts.append(piece)
-    line = b"".join(parts).strip()
-    if line.startswith(b"data:"):
-        yield line[len(b"data:") :].strip()
