@@ -24,6 +24,7 @@ from ringserve import LLM, SamplingParams
 from ringserve.client import AsyncClient
 from ringserve.replay import Wait, main, replay
 from tests.launched import Launched
+from tests.test_bench import metrics
 
 RING = dict(
     pp_size=3,
@@ -223,22 +224,12 @@ def test_a_launched_ring_stopped_by_sigterm_under_load_replays_consistent(tmp_pa
         body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
         for _ in range(8):
             threading.Thread(target=_post_quietly, args=(server.url, body), daemon=True).start()
-        _wait_until(lambda: _generated(server.url) > 200, 60)
+        _wait_until(lambda: metrics(server.url)["ringserve_generation_tokens_total"] > 200, 60)
         server.stop(signal.SIGTERM)
         assert server.proc.returncode == 0, server.output()[-500:]
     report = replay(tmp_path)
     assert report.kinds() == set() and report.wedge is None, report.render()
     assert report.rerun.reproduced and report.rerun.aborts == 8
-
-
-def _generated(url: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("ringserve_generation_tokens_total")
-    )
 
 
 def _post_quietly(url: str, body: dict) -> None:
