@@ -65,40 +65,9 @@ HEAD_GAIN = 3.0
 MAX_POSITIONS = 1024
 
 
-def llama_gqa(tmp: Path, *, rope_scaling: bool = False) -> Path:
-    rope = {"rope_type": "default", "rope_theta": 50000.0}
-    if rope_scaling:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 50000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256,
-        }
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-5,
-        rope_parameters=rope,
-        tie_word_embeddings=False,
-        initializer_range=INIT_RANGE,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    name = "llama_gqa_llama3" if rope_scaling else "llama_gqa"
-    path = _save(LlamaForCausalLM, cfg, tmp / name, seed=11, shard=True)
-    write_tokenizer(path, vocab_size=512, model_max_length=MAX_POSITIONS)
-    return path
-
-
 # Two layers of hidden 64 with grouped KV heads: the shapes of the models
-# that vary one thing of their family (a rope scaling, a sliding window).
+# that vary one thing of their family (a rope scaling, a sliding window);
+# the Llamas below have more layers (and one a larger vocabulary).
 _SMALL = dict(
     vocab_size=256,
     hidden_size=64,
@@ -111,6 +80,31 @@ _SMALL = dict(
 )
 
 
+def llama_gqa(tmp: Path, *, rope_scaling: bool = False) -> Path:
+    rope = {"rope_type": "default", "rope_theta": 50000.0}
+    if rope_scaling:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
+    cfg = LlamaConfig(
+        **{**_SMALL, "vocab_size": 512, "num_hidden_layers": 4},
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    name = "llama_gqa_llama3" if rope_scaling else "llama_gqa"
+    path = _save(LlamaForCausalLM, cfg, tmp / name, seed=11, shard=True)
+    write_tokenizer(path, vocab_size=512, model_max_length=MAX_POSITIONS)
+    return path
+
+
 def qwen2_rope(tmp: Path, rope: dict) -> Path:
     """Qwen2 with the rope parameters `rope` (a scaling's type and terms)."""
     cfg = Qwen2Config(rope_parameters={"rope_theta": 10000.0, **rope}, **_SMALL)
@@ -120,17 +114,10 @@ def qwen2_rope(tmp: Path, rope: dict) -> Path:
 def llama_deep(tmp: Path) -> Path:
     """An 8-layer Llama (otherwise tiny), deep enough for an uneven plan."""
     cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
+        **{**_SMALL, "num_hidden_layers": 8},
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
-        initializer_range=INIT_RANGE,
         bos_token_id=0,
         eos_token_id=1,
     )
