@@ -66,17 +66,19 @@ class CpuKernels:
             + [ctypes.c_int64] * 6
             + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
         )
-        self._fn = fn
+        # The bare entry points: no checks. The methods below check each
+        # call; `native_pass.NativePass` checks a pass once and calls these.
+        self.decode_fn = fn
         norm = library.add_rmsnorm
         norm.restype = ctypes.c_int
         norm.argtypes = (
             [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64]
         )
-        self._norm = norm
+        self.norm_fn = norm
         silu = library.silu_mul
         silu.restype = ctypes.c_int
         silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
-        self._silu_mul = silu
+        self.silu_fn = silu
         rope = library.rope_store
         rope.restype = ctypes.c_int
         rope.argtypes = [
@@ -85,7 +87,7 @@ class CpuKernels:
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int64, ctypes.c_int64,
         ]  # fmt: skip
-        self._rope = rope
+        self.rope_fn = rope
         self.lanes = int(library.vectorized())  # 16: AVX-512, 8: AVX2, 0: plain loops
 
     @classmethod
@@ -146,8 +148,23 @@ class CpuKernels:
             )
         if slots.dtype != torch.int64 or lens.dtype != torch.int64:
             raise ValueError("slots and lengths must be int64")
+        return self.decode_into(q, k_cache, v_cache, slots, lens, scale, DTYPE_CODES[q.dtype])
+
+    def decode_into(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        code: int,
+    ) -> torch.Tensor:
+        """`decode_attention` once its arguments are checked: contiguous
+        queries, pool layers, slot table and lengths (int64), one storage
+        type (`code`) throughout."""
         out = torch.empty_like(q)
-        status = self._fn(
+        status = self.decode_fn(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -159,7 +176,7 @@ class CpuKernels:
             q.shape[1],
             k_cache.shape[1],
             q.shape[2],
-            DTYPE_CODES[q.dtype],
+            code,
             scale,
             torch.get_num_threads(),
             k_cache.shape[0],
@@ -201,7 +218,7 @@ class CpuKernels:
             if residual.shape != x.shape or residual.dtype != x.dtype:
                 raise ValueError("the residual must have the rows' shape and dtype")
             summed = torch.empty_like(x)
-        status = self._norm(
+        status = self.norm_fn(
             x.data_ptr(),
             None if residual is None else residual.data_ptr(),
             weight.data_ptr(),
@@ -230,7 +247,7 @@ class CpuKernels:
         """silu(gate) * up of [T, 2I] rows holding [gate | up]: [T, I]."""
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        status = self._silu_mul(
+        status = self.silu_fn(
             gate_up.data_ptr(), out.data_ptr(), rows, width // 2, DTYPE_CODES[gate_up.dtype]
         )
         if status != 0:
@@ -284,7 +301,7 @@ class CpuKernels:
         if slots.shape != (tokens,) or slots.dtype != torch.int64:
             raise ValueError(f"rope_store: {tokens} tokens need {tokens} int64 slots")
         q_out = torch.empty(tokens, heads - hkv, dim, dtype=qk.dtype)
-        status = self._rope(
+        status = self.rope_fn(
             qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
             cos.data_ptr(), signed_sin.contiguous().data_ptr(), q_out.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),

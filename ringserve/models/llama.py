@@ -17,6 +17,7 @@ from ringserve.cache.pool import KVPool
 from ringserve.kernels import ops
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.cpu_native import CpuKernels
+from ringserve.kernels.native_pass import NativePass
 from ringserve.kernels.packed_linear import linear
 from ringserve.models.config import ModelConfig
 from ringserve.models.rope import RotaryEmbedding, apply_rope
@@ -131,6 +132,40 @@ class LlamaLayer(nn.Module):
         gate_up = linear(x, self.gate_up, self.gate_up_bias)
         return linear(ops.silu_mul(gate_up, native), self.down, self.down_bias)
 
+    def forward_native(
+        self,
+        residual: torch.Tensor,
+        pending: torch.Tensor | None,
+        kernels: NativePass,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on a pass the CPU kernels take whole (`NativePass`):
+        the same ops, without asking each one which backend runs it."""
+        cfg = self.cfg
+        hq, hkv = cfg.num_heads, cfg.num_kv_heads
+        if pending is None:
+            normed = kernels.rmsnorm(residual, self.input_norm)
+        else:
+            normed, residual = kernels.add_rmsnorm(pending, residual, self.input_norm)
+        heads = linear(normed, self.qkv, self.qkv_bias).unflatten(-1, (hq + 2 * hkv, -1))
+        qk, v = heads[:, : hq + hkv], heads[:, hq + hkv :]
+        if self.q_norm is not None:  # as in `attention`
+            eps = cfg.norm_eps
+            qk = torch.cat(
+                (
+                    ops.rmsnorm(qk[:, :hq], self.q_norm, eps),
+                    ops.rmsnorm(qk[:, hq:], self.k_norm, eps),
+                ),
+                dim=1,
+            )
+        q = kernels.rope_store(qk, v, k_cache, v_cache)
+        out = kernels.attention(q, k_cache, v_cache, self.scale)
+        attn = linear(out.flatten(-2), self.o, self.o_bias)
+        normed, residual = kernels.add_rmsnorm(attn, residual, self.post_norm)
+        gate_up = linear(normed, self.gate_up, self.gate_up_bias)
+        return residual, linear(kernels.silu_mul(gate_up), self.down, self.down_bias)
+
 
 class LlamaModel(ModelSlice):
     """Layers `layers` of a Llama-family model (see `ModelSlice`). With tied
@@ -185,12 +220,33 @@ class LlamaModel(ModelSlice):
         self.check_pool(kv.num_layers)
         h = F.embedding(x, self.embed) if self.embed is not None else x
         rope = self.rotary.cos_sin(batch.positions, h.dtype)
+        kernels = self._native_pass(batch, h, rope, kv)
         pending = None
-        for j, layer in enumerate(self.layers):
-            h, pending = layer(h, pending, batch, kv.k[j], kv.v[j], rope)
-        if self.norm is not None:
-            return ops.add_rmsnorm(pending, h, self.norm, self.cfg.norm_eps, batch.native)[0]
-        return h + pending
+        if kernels is not None:
+            for j, layer in enumerate(self.layers):
+                h, pending = layer.forward_native(h, pending, kernels, kv.k[j], kv.v[j])
+        else:
+            for j, layer in enumerate(self.layers):
+                h, pending = layer(h, pending, batch, kv.k[j], kv.v[j], rope)
+        if self.norm is None:
+            return h + pending
+        if kernels is not None:
+            return kernels.add_rmsnorm(pending, h, self.norm)[0]
+        return ops.add_rmsnorm(pending, h, self.norm, self.cfg.norm_eps, batch.native)[0]
+
+    def _native_pass(
+        self, batch: ForwardBatch, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        kv: KVPool,
+    ) -> NativePass | None:  # fmt: skip
+        """The pass bound to the CPU kernels, where it has them and they
+        take every layer's rows (a stage without layers has nothing to bind)."""
+        cfg = self.cfg
+        if batch.native is None or not self.layers or h.dtype != self.dtype:
+            return None
+        if h.dim() != 2 or h.shape[1] != cfg.hidden_size:
+            return None
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return NativePass.bind(batch.native, batch, h, rope, kv.k[0], heads, cfg.norm_eps)
 
 
 def _o_bias(cfg: ModelConfig) -> bool:
