@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,8 @@ class LLM:
     ) -> None:
         """`model`: a model directory or a Hugging Face Hub id (at
         `revision`), resolved here once; the ranks get the local directory."""
-        if pp_size < 1:
-            raise ValueError("pp_size must be >= 1")
+        if not is_int(pp_size) or pp_size < 1:
+            raise ValueError(f"pp_size must be an integer >= 1, got {pp_size!r}")
         self.pp_size = pp_size
         self._ring: LocalRing | None = None
         # Rank 0 runs in this process: log it like the child ranks, into
@@ -67,13 +67,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is a
         string, a list of token ids, or vLLM's `{"prompt": text}` or
         `{"prompt_token_ids": ids}`. `use_tqdm` shows a progress bar on
-        stderr as vLLM does. Raises RuntimeError naming the cause when the
-        ring fails underneath."""
+        stderr as vLLM does (or is the bar's factory, as vLLM allows).
+        Raises RuntimeError naming the cause when the ring fails underneath."""
         prompts = [_prompt_form(p) for p in _as_prompt_list(prompts)]
         per_prompt = _per_prompt(sampling_params, len(prompts))
         ids = [self._encode(p) for p in prompts]
@@ -88,12 +88,20 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
-        use_tqdm: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate the assistant's turn of one conversation (a list of
         messages) or of each of several, rendered with the model's chat
         template; `tools` (OpenAI's function list) and `chat_template_kwargs`
-        reach the template as Hugging Face passes them."""
+        reach the template as Hugging Face passes them. vLLM's
+        `continue_final_message` and `chat_template` are taken at their
+        defaults only (False, None), as the HTTP API takes them."""
+        if continue_final_message is not False:
+            raise ValueError("continue_final_message is supported only as False")
+        if chat_template is not None:
+            raise ValueError("chat_template is supported only as None: the model's own is used")
         conversations = _as_conversations(messages)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: LLM.chat needs its chat template")
@@ -112,7 +120,7 @@ class LLM:
         ids: list[list[int]],
         params: list[SamplingParams],
         texts: list[str | None],
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
     ) -> list[RequestOutput]:
         """Each prompt's `n` choices run as requests of their own (choice i
         of a seeded prompt with seed + i) and come back as one output."""
@@ -209,7 +217,9 @@ def _choices(params: SamplingParams) -> list[SamplingParams]:
         return [params]
     seed = params.seed
     return [
-        dataclasses.replace(params, n=1, seed=None if seed is None else (seed + i) & MAX_SEED)
+        dataclasses.replace(
+            params, n=1, best_of=None, seed=None if seed is None else (seed + i) & MAX_SEED
+        )
         for i in range(params.n)
     ]
 

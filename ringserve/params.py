@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -72,9 +73,12 @@ class StructuredOutputsParams:
 class SamplingParams:
     """Sampling parameters with vLLM's meanings. `temperature=0` is greedy;
     `top_k <= 0` and `top_p == 1` switch those filters off; `seed=None` lets
-    rank 0 draw one (recorded, so a run can be replayed)."""
+    rank 0 draw one (recorded, so a run can be replayed); `max_tokens=None`
+    runs to the end of the context (rank 0 writes the context's length in
+    its place when the request arrives). `stop`, `stop_token_ids` and
+    `bad_words` may be None for none."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -106,13 +110,21 @@ class SamplingParams:
     # The top `prompt_logprobs` of every prompt position (and the prompt
     # token's own), as vLLM's; such a request never reuses cached prefix KV.
     prompt_logprobs: int | None = None
+    # vLLM's switches that ringserve has at their defaults only: accepted
+    # there (so vLLM code runs unchanged), refused by name otherwise.
+    best_of: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         """Every field checked for its type and range (a ValueError that
         begins with the field's name); lists become tuples, a lone stop
         string or bad word a tuple of one, `top_k <= 0` is -1, a dict of
         structured outputs their params."""
-        _int("max_tokens", self.max_tokens, low=1)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, low=1)
         _number("temperature", self.temperature, low=0)
         _int("top_k", self.top_k, high=MAX_TOP_K)
         if self.top_k <= 0:
@@ -129,6 +141,20 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 _int(name, getattr(self, name), low=0, high=MAX_TOP_LOGPROBS)
         self._check_logits_processing()
+        _check(
+            self.best_of is None or self.best_of == self.n,
+            f"best_of must equal n ({self.n}): only the n choices are made, got {self.best_of!r}",
+        )
+        defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                    "include_stop_str_in_output": False, "detokenize": True}  # fmt: skip
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            _check(value is default, f"{name} is supported only as {default}, got {value!r}")
+
+    def clone(self) -> SamplingParams:
+        """A copy, as vLLM's `clone` (the params are frozen: change a copy
+        with `dataclasses.replace`)."""
+        return dataclasses.replace(self)
 
     def _check_logits_processing(self) -> None:
         _number("presence_penalty", self.presence_penalty, low=-2, high=2)
@@ -149,7 +175,10 @@ class SamplingParams:
             }
             object.__setattr__(self, "logit_bias", clamped)
         _int("min_tokens", self.min_tokens, low=0)
-        _check(self.min_tokens <= self.max_tokens, "min_tokens must be at most max_tokens")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens must be at most max_tokens",
+        )
         if self.allowed_token_ids is not None:
             self._tuple("allowed_token_ids", lambda t: is_int(t) and t >= 0, "token ids >= 0")
             _check(
@@ -179,6 +208,8 @@ class SamplingParams:
         """The field as a tuple (`one`: a lone value of that type is a tuple
         of one), each item valid."""
         value = getattr(self, name)
+        if value is None:
+            value = ()
         if one is not None and isinstance(value, one):
             value = (value,)
         _check(isinstance(value, list | tuple), f"{name} must be a list of {what}")

@@ -13,8 +13,10 @@ import threading
 import time
 
 import pytest
+from tqdm import tqdm
 
 from ringserve import LLM, SamplingParams
+from tests.model_factory import llama_deep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,6 +67,36 @@ def test_top_k_zero_is_off_and_lists_become_tuples():
     assert params.stop == ("x",) and params.stop_token_ids == (3,) and params.bad_words == ("y",)
 
 
+def test_vllms_switches_at_their_defaults_are_taken_and_other_values_refused_by_name():
+    """vLLM code passes them, at their defaults, or leaves the lists None."""
+    params = SamplingParams(
+        n=2, best_of=2, max_tokens=None, stop=None, stop_token_ids=None, bad_words=None,
+        skip_special_tokens=True, spaces_between_special_tokens=True,
+        include_stop_str_in_output=False, detokenize=True,
+    )  # fmt: skip
+    assert params.max_tokens is None and params.stop == params.bad_words == ()
+    assert params.clone() == params and params.clone() is not params
+    others = {"best_of": 3, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+              "include_stop_str_in_output": True, "detokenize": False}  # fmt: skip
+    for field, value in others.items():
+        with pytest.raises(ValueError, match=f"^{field}"):
+            SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="^pp_size"):
+        LLM(pp_size="2")
+
+
+@pytest.mark.timeout(120)
+def test_max_tokens_none_runs_to_the_context_and_stop_strings_need_a_tokenizer(tmp_path):
+    with LLM(llama_deep(tmp_path), max_model_len=24) as small:  # no tokenizer.json
+        (out,) = small.generate(
+            [[5, 6, 7, 8]], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False
+        )
+        assert (len(out.token_ids), out.finish_reason) == (20, "length")
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            small.generate([[5, 6]], SamplingParams(stop="a"), use_tqdm=False)
+        assert small.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
+
+
 @pytest.fixture(scope="module")
 def llm():
     with LLM(max_batch=8) as llm:
@@ -99,6 +131,46 @@ def test_chat_takes_openais_message_shapes(llm):
     assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids
     with pytest.raises(ValueError, match="text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], GREEDY, use_tqdm=False)
+
+
+def test_chat_takes_openais_tool_call_turns(llm):
+    """An assistant turn of tool calls has no content and JSON text for
+    arguments (OpenAI's shape); the template reads empty text and objects,
+    as for the HTTP API."""
+
+    def conversation(content: str | None, arguments: object) -> list[dict]:
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+        return [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]  # fmt: skip
+    (want,) = llm.chat(conversation("", {"city": "Paris"}), GREEDY, tools=tools, use_tqdm=False)
+    (got,) = llm.chat(conversation(None, '{"city": "Paris"}'), GREEDY, tools=tools, use_tqdm=False)
+    assert '"arguments": {"city": "Paris"}' in want.prompt
+    assert got.prompt == want.prompt and got.token_ids == want.token_ids
+    with pytest.raises(ValueError, match="^continue_final_message"):
+        llm.chat(MESSAGES, GREEDY, continue_final_message=True, use_tqdm=False)
+    llm.chat(MESSAGES, GREEDY, continue_final_message=False, chat_template=None, use_tqdm=False)
+
+
+def test_best_of_equal_to_n_makes_n_choices(llm):
+    (out,) = llm.generate(["x"], SamplingParams(n=2, best_of=2, max_tokens=3), use_tqdm=False)
+    assert len(out.outputs) == 2 and all(len(c.token_ids) == 3 for c in out.outputs)
+
+
+def test_use_tqdm_may_be_the_bars_factory(llm):
+    made: list[dict] = []
+
+    def factory(**options: object) -> tqdm:
+        made.append(options)
+        return tqdm(**options, disable=True)
+
+    llm.generate(["a", "b"], GREEDY, use_tqdm=factory)
+    assert len(made) == 1 and made[0]["total"] == 2
 
 
 def test_stop_strings_count_from_min_tokens_on(llm):

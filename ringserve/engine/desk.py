@@ -93,7 +93,9 @@ class RequestDesk:
             raise ValueError(
                 f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens"
             )
-        params = processing_params(params, self.tokenizer, self.vocab_size)
+        params = processing_params(
+            params, self.tokenizer, self.vocab_size, self.scheduler.config.max_model_len
+        )
         carried(params, prompt)
         grammar = self._grammar(params)
         waiting = len(self.scheduler.waiting)

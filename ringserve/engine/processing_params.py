@@ -12,10 +12,15 @@ from ringserve.params import SamplingParams
 
 
 def processing_params(
-    params: SamplingParams, tokenizer: Tokenizer | None, vocab_size: int
+    params: SamplingParams, tokenizer: Tokenizer | None, vocab_size: int, context: int
 ) -> SamplingParams:
-    """`params` checked, with `bad_words_token_ids` filled in; ValueError
-    naming the field otherwise."""
+    """`params` checked, with `bad_words_token_ids` filled in and a
+    `max_tokens` of None made the `context` (which ends the request first
+    anyway); ValueError naming the field otherwise."""
+    if params.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=context)
+    if params.stop and tokenizer is None:  # matched in text, which needs one
+        raise ValueError("stop strings need a tokenizer: this model has none (use stop_token_ids)")
     biased = () if params.logit_bias is None else params.logit_bias
     allowed = () if params.allowed_token_ids is None else params.allowed_token_ids
     named = (

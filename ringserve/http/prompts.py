@@ -5,13 +5,12 @@ whole pass it rides in, and every request batched with it)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ringserve.http.errors import bad_request
 from ringserve.http.schemas import ChatMessage, MessageToolCall
 from ringserve.http.served import ServedModel
-from ringserve.models.tokenizer import Tokenizer
+from ringserve.models.tokenizer import Tokenizer, template_arguments
 
 PromptBody = str | list[str | int | list[int]]
 
@@ -97,10 +96,7 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
 def _template_call(call: MessageToolCall) -> dict[str, Any]:
     """A tool call with its arguments as an object, as Hugging Face passes
     them to chat templates (OpenAI sends them as JSON text)."""
-    try:
-        arguments: Any = json.loads(call.function.arguments)
-    except json.JSONDecodeError:
-        arguments = call.function.arguments
+    arguments = template_arguments(call.function.arguments)
     function = {"name": call.function.name, "arguments": arguments}
     return {"id": call.id, "type": call.type, "function": function}
 

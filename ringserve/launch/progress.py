@@ -5,6 +5,7 @@ over `LLM.generate`."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -38,21 +39,21 @@ class LoadProgress:
 
 class GenerateBar:
     """vLLM's bar over `LLM.generate`: prompts done of all, with the input
-    and output tokens per second so far. Told of each finished request."""
+    and output tokens per second so far. Told of each finished request.
+    `use_tqdm` turns it on or off, or is the bar's factory (a tqdm class or
+    a function taking tqdm's keywords), as vLLM's `use_tqdm` may be."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = tqdm(
-            total=total,
-            desc="Processed prompts",
-            unit="it",
-            dynamic_ncols=True,
-            disable=not enabled,
-        )
+    def __init__(self, total: int, use_tqdm: bool | Callable[..., tqdm]) -> None:
+        factory = use_tqdm if callable(use_tqdm) else tqdm
+        options = {"total": total, "desc": "Processed prompts", "dynamic_ncols": True}
+        if not callable(use_tqdm):
+            options["disable"] = not use_tqdm
+        self.bar = factory(**options)
         self.began = time.monotonic()
         self.prompt_tokens = self.output_tokens = 0
 
     def done(self, out: RequestOutput) -> None:
-        if self.bar.disable:
+        if getattr(self.bar, "disable", False):
             return
         self.prompt_tokens += len(out.prompt_token_ids)
         self.output_tokens += len(out.token_ids)

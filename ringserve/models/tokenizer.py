@@ -260,14 +260,30 @@ def _named_templates(value: Any) -> dict[str, str]:
 _REASONING_NAMES = ("reasoning_content", "reasoning", "thinking")
 
 
+def template_arguments(arguments: Any) -> Any:
+    """A tool call's arguments as chat templates read them: an object, where
+    OpenAI's shape sends them as JSON text (text that is not JSON stays)."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
 def _normalized(message: dict[str, Any]) -> dict[str, Any]:
     """A message as Hugging Face hands it to a template: keys whose value is
-    None left out, and the reasoning under each of its names; and from
-    OpenAI's shapes, `developer` as `system` and text parts as their text."""
+    None left out but `content` (None is empty text, as an assistant's turn
+    of tool calls has it), and the reasoning under each of its names; and
+    from OpenAI's shapes, `developer` as `system`, text parts as their text
+    and tool call arguments as objects."""
     out = {k: v for k, v in message.items() if v is not None}
     if out.get("role") == "developer":
         out["role"] = "system"
-    content = out.get("content")
+    content = out.setdefault("content", "")
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_template_call(c) for c in calls]
     if isinstance(content, list):
         kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
         if any(k != "text" for k in kinds):
@@ -277,6 +293,14 @@ def _normalized(message: dict[str, Any]) -> dict[str, Any]:
     if reasoning is not None:
         out |= {k: out.get(k, reasoning) for k in _REASONING_NAMES}
     return out
+
+
+def _template_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or "arguments" not in function:
+        return call
+    arguments = template_arguments(function["arguments"])
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _raise_exception(message: str) -> None:
