@@ -264,6 +264,23 @@ static inline vec vround_f32(vec x) { return x; }
             t3 = vfma(qd, vload_##SUFFIX(k3 + d), t3);                                        \
         }                                                                                     \
         _mm_storeu_ps(out, vsum4(t0, t1, t2, t3));                                            \
+    }                                                                                         \
+    /* dot4 of two queries with the same four rows, each row read once for both */         \
+    static inline void dot4x2_##SUFFIX(const float *q, const float *p, const ELEM *k0,        \
+                                       const ELEM *k1, const ELEM *k2, const ELEM *k3,        \
+                                       int64_t n, float *out, float *pout) {                  \
+        vec t0 = vzero(), t1 = t0, t2 = t0, t3 = t0, u0 = t0, u1 = t0, u2 = t0, u3 = t0;      \
+        for (int64_t d = 0; d < n; d += LANES) {                                              \
+            const vec qd = vload(q + d), pd = vload(p + d);                                   \
+            const vec x0 = vload_##SUFFIX(k0 + d), x1 = vload_##SUFFIX(k1 + d);               \
+            const vec x2 = vload_##SUFFIX(k2 + d), x3 = vload_##SUFFIX(k3 + d);               \
+            t0 = vfma(qd, x0, t0), u0 = vfma(pd, x0, u0);                                     \
+            t1 = vfma(qd, x1, t1), u1 = vfma(pd, x1, u1);                                     \
+            t2 = vfma(qd, x2, t2), u2 = vfma(pd, x2, u2);                                     \
+            t3 = vfma(qd, x3, t3), u3 = vfma(pd, x3, u3);                                     \
+        }                                                                                     \
+        _mm_storeu_ps(out, vsum4(t0, t1, t2, t3));                                            \
+        _mm_storeu_ps(pout, vsum4(u0, u1, u2, u3));                                           \
     }
 DEFINE_VECTOR(f32, float)
 DEFINE_VECTOR(bf16, uint16_t)
@@ -315,7 +332,7 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
         for (int64_t i = 0; i < hq * dim; i += LANES)                                          \
             vstore(qf + i, vmul(vload_##SUFFIX(q + i), vset(job->scale)));                     \
         int64_t l = 0;                                                                         \
-        float four[4];                                                                         \
+        float four[4], eight[4];                                                               \
         for (; l + 4 <= len; l += 4) {                                                         \
             const ELEM *r0 = kc + slots[l] * row_len, *r1 = kc + slots[l + 1] * row_len;       \
             const ELEM *r2 = kc + slots[l + 2] * row_len, *r3 = kc + slots[l + 3] * row_len;   \
@@ -323,7 +340,14 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
                 prefetch_row(kc + slots[l + m] * row_len, row_len * sizeof(ELEM));             \
             for (int64_t h = 0, i = 0; h < hkv; ++h) {                                         \
                 const int64_t at = h * dim;                                                    \
-                for (int64_t j = 0; j < group; ++j, ++i) {                                     \
+                int64_t j = 0;                                                                 \
+                for (; j + 2 <= group; j += 2, i += 2) {                                       \
+                    dot4x2_##SUFFIX(qf + i * dim, qf + (i + 1) * dim, r0 + at, r1 + at,        \
+                                    r2 + at, r3 + at, dim, four, eight);                       \
+                    memcpy(scores + i * width + l, four, sizeof four);                         \
+                    memcpy(scores + (i + 1) * width + l, eight, sizeof eight);                 \
+                }                                                                              \
+                for (; j < group; ++j, ++i) {                                                  \
                     dot4_##SUFFIX(qf + i * dim, r0 + at, r1 + at, r2 + at, r3 + at, dim, four); \
                     memcpy(scores + i * width + l, four, sizeof four);                         \
                 }                                                                              \
