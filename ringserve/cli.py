@@ -20,6 +20,7 @@ from ringserve.config import (
     CPU_KERNELS,
     KV_TOKENS_PER_WAITING,
     PLAN_FOR,
+    RING_FIELDS,
     SPECULATIVE_METHODS,
     EngineConfig,
     UserError,
@@ -231,7 +232,7 @@ def _budgets(args: argparse.Namespace) -> list[int] | None:
     return list(numbers(args.rank_memory_mib, "--rank-memory-mib"))
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """Refuse a port another process holds before any rank is started (as
     the server will bind it: address reuse on, so a closing socket's
     TIME_WAIT does not count)."""
@@ -241,10 +242,27 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            fix = "another --host" if exc.errno == errno.EADDRNOTAVAIL else "another --port"
+            fix = "another --host" if exc.errno == errno.EADDRNOTAVAIL else f"another {flag}"
             raise UserError(
                 f"cannot listen on {host}:{port} ({exc.strerror}); pick {fix}"
             ) from None
+
+
+def _check_node_0_ports(args: argparse.Namespace) -> None:
+    """Node 0 listens on the HTTP port, on the master port (rank 0's store
+    for the rendezvous) and, with several nodes, the port after it (the
+    ring exchange): all free, and all different."""
+    _check_port_free(args.host, args.port)
+    if args.master_port is None:  # one node: the launcher picks a free one
+        return
+    ring = [args.master_port] + ([args.master_port + 1] if args.nnodes > 1 else [])
+    if args.port in ring:
+        raise UserError(
+            f"--port {args.port} is the ring's: rank 0 listens on --master-port "
+            f"{args.master_port}"
+            + (" and the exchange on the port after it" if args.nnodes > 1 else "")
+        )
+    _check_port_free("0.0.0.0", args.master_port, "--master-port")
 
 
 def _speculative_config(text: str) -> dict[str, object]:
@@ -293,7 +311,7 @@ def _check_pp(args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace) -> int:
     _check_launch(args)
     if args.node_rank == 0:
-        _check_port_free(args.host, args.port)
+        _check_node_0_ports(args)
     budgets, config = _budgets(args), _config(args)  # mistakes found before torch loads
 
     from ringserve.http.options import HttpOptions
@@ -337,7 +355,9 @@ def _sized_for_node(
             say("memory plan\n" + plan.table())
         say(_devices(placement(config.device, node.world)))
         return config, None
-    exchange = RingExchange(node.master_addr, node.master_port, node.node_rank, node.nnodes)
+    exchange = RingExchange(
+        node.master_addr, node.master_port, node.node_rank, node.nnodes, node.world
+    )
     own = replace(config, device=resolve_device(config.device, node.world))
     if node.node_rank == 0:
         # without given budgets, each node's ranks as measured on their own node's devices
@@ -348,14 +368,38 @@ def _sized_for_node(
         if plan is not None:
             say("memory plan\n" + plan.table())
         exchange.publish(config)
+        exchange.wait_for_nodes(node.nnodes)
     else:
         if exchange.budgets_asked():
             exchange.offer_budgets(_measured(own, node))
         config = exchange.take(own)
         split = ",".join(map(str, config.layer_split or ()))
         say(f"ring sized by node 0: layer split {split}, KV capacity {config.kv_capacity_tokens}")
+        replaced = _given_away(own, config)
+        if replaced:
+            say(f"node 0's ring settings replace this node's: {replaced}")
     say(_devices(placement(config.device, node.world)))
     return config, exchange
+
+
+def _given_away(own: EngineConfig, ring: EngineConfig) -> str:
+    """This node's ring settings, given on its command line (not left at
+    their defaults), that node 0's ring replaced: `--dtype bfloat16 (node 0:
+    float32)`, ..."""
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    parts = []
+    for name in RING_FIELDS:
+        mine, theirs = getattr(own, name), getattr(ring, name)
+        if mine != theirs and mine != defaults.get(name):
+            parts.append(f"--{name.replace('_', '-')} {_flag_value(mine)} "
+                         f"(node 0: {_flag_value(theirs)})")  # fmt: skip
+    return ", ".join(parts)
+
+
+def _flag_value(value: object) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def _measured(config: EngineConfig, node: NodeSpec) -> list[int]:

@@ -73,6 +73,24 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 ],
                 f"node 0 cannot serve ring exchange at 127.0.0.1:{port}",
             ),  # fmt: skip
+            "master port in use": (
+                ["launch", "--master-port", str(port), "--port", str(free_port())],
+                f"cannot listen on 0.0.0.0:{port} (Address already in use); pick another --master-port",
+            ),
+            "HTTP port on the ring's": (
+                [
+                    "launch",
+                    "--pp",
+                    "2",
+                    "--nnodes",
+                    "2",
+                    "--master-port",
+                    "24990",
+                    "--port",
+                    "24991",
+                ],
+                "--port 24991 is the ring's",
+            ),  # fmt: skip
             "split does not fit": (
                 ["launch", "--pp", "2", "--rank-memory-mib", "10,10"],
                 "rank 1 cannot hold its slice",

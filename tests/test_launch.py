@@ -189,6 +189,9 @@ def test_two_launchers_act_as_two_nodes(stop_node):
         stopped, other = (first, second) if stop_node == 0 else (second, first)
         stopped.stop(signal.SIGTERM)
         other.proc.wait(30)
+        if stop_node == 0:  # node 1's ranks ended with rank 0's orderly shutdown
+            assert other.proc.returncode == 0, other.output()
+            assert "rank 0 shut the ring down" in other.output()
     finally:
         first.stop()
         second.stop()
@@ -204,6 +207,8 @@ def test_a_second_node_takes_the_ring_node_0_sized():
         first.wait_for("ready at", 180)
         said = second.wait_for("ring sized by node 0", 10)
         assert said == "ringserve: ring sized by node 0: layer split 1,3, KV capacity 8192"
+        said = second.wait_for("node 0's ring settings replace", 10)
+        assert said.endswith("replace this node's: --layer-split 3,1 (node 0: 1,3)"), said
         assert second.wait_for("rank 1 loaded layers", 10).startswith(
             "ringserve: rank 1 loaded layers 1-3,"
         )
@@ -235,6 +240,44 @@ def test_without_budgets_each_node_measures_its_own_ranks_for_node_0s_plan():
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_node_started_for_another_ring_is_refused_by_both_nodes():
+    """Node 0 sized a ring of 2 ranks on 2 nodes; a node started for 4 on 4
+    says so and ends, and node 0, told, ends too: neither waits for ranks
+    that will never meet."""
+    port = two_node_ports()
+    first = Launched("--pp", "2", "--nnodes", "2", "--master-port", port, *COMMON,
+                     "--node-rank", "0", expect_ready=False)  # fmt: skip
+    second = Launched("--pp", "4", "--nnodes", "4", "--master-port", port, *COMMON,
+                      "--node-rank", "1", expect_ready=False)  # fmt: skip
+    try:
+        for node in (first, second):
+            assert node.proc.wait(60) == 2, node.output()
+        why = "node 1 was started with --pp 4 --nnodes 4, node 0 with --pp 2 --nnodes 2"
+        assert (
+            second.wait_for("start every node", 10)
+            == f"ringserve: {why}: start every node with the same ring"
+        )
+        assert first.wait_for("refused", 10) == f"ringserve: node 1 refused the ring: {why}"
+        assert "started rank" not in first.output() + second.output()
+    finally:
+        first.stop()
+        second.stop()
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_node_alone_says_what_it_waits_for_and_ctrl_c_ends_it(node_rank):
+    """Waiting for the other node (node 0 for node 1's budgets, node 1 for
+    node 0's exchange) says so, and Ctrl-C ends the wait at once."""
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", two_node_ports(), *COMMON)
+    alone = Launched(*nodes, "--node-rank", str(node_rank), expect_ready=False)
+    try:
+        alone.wait_for("waiting for", 30)
+        alone.proc.send_signal(signal.SIGINT)
+        assert alone.proc.wait(5) == 130, alone.output()
+    finally:
+        alone.stop()
 
 
 def test_nodes_serving_different_models_refuse_to_start_and_say_why(tmp_path):

@@ -4,13 +4,22 @@ and every other node's launcher takes the ring's terms from there
 (`EngineConfig.with_ring_of`) instead of sizing a ring of its own. When node
 0 plans without given budgets or split, it asks, and each other node offers
 its own ranks' budgets as measured on its own devices. A node keeps its own
-per-rank choices (device, kernels, threads). The ranks still check at their
+per-rank choices (device, kernels, threads). Each other node then says
+whether it joins (a node started for another ring, more ranks or nodes,
+refuses, and node 0 says so too), and node 0 starts its ranks only once
+every node has joined, so a node that never comes is named by the
+launchers, not by a rank timing out. The ranks still check at their
 rendezvous that they agree (`ring/group.py`): what cannot be taken, the
-model's own config, must match. msgspec JSON on the wire, no pickle."""
+model's own config, must match. msgspec JSON on the wire, no pickle.
+
+Every wait here polls, so Ctrl-C ends it at once (a blocking store call
+would hold the signal until its timeout), and says once what it waits for."""
 
 from __future__ import annotations
 
 import datetime
+import socket
+import time
 
 import msgspec
 import structlog
@@ -18,12 +27,17 @@ import torch.distributed as dist
 
 from ringserve.config import EngineConfig, UserError
 from ringserve.launch.processes import decode_config, encode_config
+from ringserve.logs import say
 
 log = structlog.get_logger(__name__)
 
 RING_KEY = "ringserve/ring"
+SHAPE_KEY = "ringserve/shape"  # [ranks, nodes] of node 0's ring
+JOINED_KEY = "ringserve/joined"  # per node: empty when it joins, else why it refuses
 BUDGETS_KEY = "ringserve/budgets"  # each node's measured budgets, for node 0's plan
 ASK_KEY = "ringserve/budgets-asked"  # whether node 0 plans from them
+POLL_S = 0.1
+QUIET_S = 2.0  # a wait longer than this says what it waits for
 
 
 class RingExchange:
@@ -31,9 +45,12 @@ class RingExchange:
     starts; the store lives as long as node 0's launcher."""
 
     def __init__(self, master_addr: str, master_port: int, node_rank: int, nnodes: int,
-                 timeout_s: float = 300.0) -> None:  # fmt: skip
+                 ranks: int, timeout_s: float = 300.0) -> None:  # fmt: skip
         self.node_rank = node_rank
         self.timeout_s = timeout_s
+        self.where = f"{master_addr}:{master_port + 1}"
+        if node_rank != 0:
+            self._wait_until_served(master_addr, master_port + 1)
         try:
             self.store = dist.TCPStore(
                 master_addr,
@@ -49,6 +66,39 @@ class RingExchange:
                 f"node {node_rank} cannot {what} ring exchange at {master_addr}:{master_port + 1} "
                 f"({exc}); it uses the port after --master-port"
             ) from None
+        shape = msgspec.json.encode([ranks, nnodes])
+        if node_rank == 0:
+            self.store.set(SHAPE_KEY, shape)
+        elif (theirs := self._get(SHAPE_KEY, "say its ring's shape")) != shape:
+            ranks0, nnodes0 = msgspec.json.decode(theirs, type=list[int])
+            why = (
+                f"node {node_rank} was started with --pp {ranks} --nnodes {nnodes}, "
+                f"node 0 with --pp {ranks0} --nnodes {nnodes0}"
+            )
+            self.store.set(f"{JOINED_KEY}/{node_rank}", why.encode())
+            raise UserError(f"{why}: start every node with the same ring")
+
+    def _wait_until_served(self, host: str, port: int) -> None:
+        """Wait for node 0's exchange to listen (torch's own connect retries
+        in C++, deaf to Ctrl-C, and prints a stack at each retry)."""
+        deadline, said = time.monotonic() + self.timeout_s, False
+        while True:
+            try:
+                with socket.create_connection((host, port), timeout=1.0):
+                    return
+            except OSError:
+                pass
+            waited = self.timeout_s - (deadline - time.monotonic())
+            if not said and waited > QUIET_S:
+                say(f"waiting for node 0's ring exchange at {self.where}")
+                said = True
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"node 0's ring exchange at {self.where} did not answer within "
+                    f"{self.timeout_s:.0f} s: is node 0 started, with this --master-addr and "
+                    "--master-port?"
+                )
+            time.sleep(POLL_S * 5)
 
     def ask_budgets(self, asked: bool) -> None:
         """Node 0 says whether it plans from measured budgets: only then do
@@ -68,7 +118,7 @@ class RingExchange:
         then each other node's as it measured them."""
         budgets = list(own)
         for node in range(1, nnodes):
-            raw = self._get(f"{BUDGETS_KEY}/{node}", f"receive node {node}'s budgets")
+            raw = self._get(f"{BUDGETS_KEY}/{node}", f"receive node {node}'s budgets", node)
             budgets += msgspec.json.decode(raw, type=list[int])
         return budgets
 
@@ -77,13 +127,32 @@ class RingExchange:
         log.info("ring.published", node=self.node_rank, layer_split=sized.layer_split)
 
     def take(self, own: EngineConfig) -> EngineConfig:
-        """`own` on the ring node 0 sized."""
+        """`own` on the ring node 0 sized; node 0 hears that this node joins."""
         sized = decode_config(self._get(RING_KEY, "publish the ring").decode())
+        self.store.set(f"{JOINED_KEY}/{self.node_rank}", b"")
         return own.with_ring_of(sized)
 
-    def _get(self, key: str, what: str) -> bytes:
-        """The value at `key`, waiting for it up to the timeout."""
+    def wait_for_nodes(self, nnodes: int) -> None:
+        """Node 0: return once every other node has joined; UserError naming
+        a node that refused, or that never came within the timeout."""
+        for node in range(1, nnodes):
+            self._get(f"{JOINED_KEY}/{node}", f"hear from node {node}", node)
+
+    def _get(self, key: str, what: str, node: int | None = None) -> bytes:
+        """The value at `key`, waiting for it up to the timeout; UserError
+        once `node` (when given) has refused the ring instead."""
+        deadline, said = time.monotonic() + self.timeout_s, False
+        watched = [] if node is None else [f"{JOINED_KEY}/{node}"]
         try:
+            while not self.store.check([key]):
+                if watched and self.store.check(watched) and (why := self.store.get(watched[0])):
+                    raise UserError(f"node {node} refused the ring: {why.decode()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {key} after {self.timeout_s:.0f} s")
+                if not said and self.timeout_s - (deadline - time.monotonic()) > QUIET_S:
+                    say(f"waiting for the ring exchange ({self.where}) to {what}")
+                    said = True
+                time.sleep(POLL_S)
             return self.store.get(key)
         except (RuntimeError, TimeoutError) as exc:
             raise UserError(

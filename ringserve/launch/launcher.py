@@ -1,6 +1,8 @@
 """`ringserve launch`: start this node's ranks, wait for the ring, print the
-URL, supervise. Any rank's exit ends the whole group; SIGINT/SIGTERM shut
-it down cleanly. No rank process outlives the launcher."""
+URL, supervise. Any rank's exit ends the whole group (a failure, exit 1,
+but on a node without rank 0 whose ranks ended with rank 0's orderly
+shutdown: exit 0); SIGINT/SIGTERM shut it down cleanly. No rank process
+outlives the launcher."""
 
 from __future__ import annotations
 
@@ -104,6 +106,11 @@ class Launcher:
         time.sleep(0.3)  # let a cascade of link failures show its first cause
         exited = {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
         if self.stopping:
+            self.stop()
+            return 0
+        if 0 not in self.procs and all(code == 0 for code in exited.values()):
+            # rank 0's orderly SHUTDOWN went round: node 0 was stopped
+            say("rank 0 shut the ring down; this node's ranks have ended")
             self.stop()
             return 0
         cause = next(((r, c) for r, c in exited.items() if c not in (0, EXIT_LINK_FAILED)), None)
