@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,31 @@ class LLM:
         log_dir: str | None = None,
         revision: str | None = None,
         speculative_config: dict[str, Any] | None = None,
+        seed: int | None = None,
+        tensor_parallel_size: int = 1,
         **engine_options: Any,
     ) -> None:
         """`model`: a model directory or a Hugging Face Hub id (at
-        `revision`), resolved here once; the ranks get the local directory."""
+        `revision`), resolved here once; the ranks get the local directory.
+        `seed`, as vLLM's: requests without a seed of their own draw theirs
+        from it, so a script's sampled outputs repeat from run to run.
+        `engine_options` are `EngineConfig`'s fields (`ringserve launch`'s
+        options, underscored)."""
         if not is_int(pp_size) or pp_size < 1:
             raise ValueError(f"pp_size must be an integer >= 1, got {pp_size!r}")
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size must be 1: ringserve splits a model by layers (pp_size)"
+            )
+        if seed is not None and not (is_int(seed) and 0 <= seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
+        unknown = sorted(set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown options {unknown}: the engine's options are "
+                "EngineConfig's fields, as `ringserve launch --help` lists them"
+            )
+        self._seeds = None if seed is None else random.Random(seed)
         self.pp_size = pp_size
         self._ring: LocalRing | None = None
         # Rank 0 runs in this process: log it like the child ranks, into
@@ -127,6 +147,8 @@ class LLM:
         if self._ring is None:
             raise RuntimeError("this LLM is closed")
         flat_ids = [p for p, sp in zip(ids, params, strict=True) for _ in range(sp.n)]
+        if self._seeds is not None:  # drawn in prompt order: the same script, the same seeds
+            params = [self._seeded(sp) for sp in params]
         flat_params = [c for sp in params for c in _choices(sp)]
         bar = GenerateBar(len(flat_ids), use_tqdm)
         try:
@@ -140,6 +162,11 @@ class LLM:
             grouped.append(RequestOutput.of_choices(text, outputs[at : at + sp.n]))
             at += sp.n
         return grouped
+
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        if params.seed is not None or self._seeds is None:
+            return params
+        return dataclasses.replace(params, seed=self._seeds.getrandbits(62))
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

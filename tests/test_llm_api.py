@@ -85,6 +85,20 @@ def test_vllms_switches_at_their_defaults_are_taken_and_other_values_refused_by_
         LLM(pp_size="2")
 
 
+def test_an_llm_seed_makes_unseeded_sampling_repeat_from_run_to_run():
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    runs = []
+    for seed in (7, 7, 8):
+        with LLM(seed=seed, tensor_parallel_size=1) as llm:
+            runs.append([o.token_ids for o in llm.generate(["a", "b"], sampled, use_tqdm=False)])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert runs[0][0] != runs[0][1]  # each request draws its own seed
+    with pytest.raises(TypeError, match=r"unknown options \['gpu_memory_utilization'\]"):
+        LLM(gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="^tensor_parallel_size must be 1"):
+        LLM(tensor_parallel_size=2)
+
+
 @pytest.mark.timeout(120)
 def test_max_tokens_none_runs_to_the_context_and_stop_strings_need_a_tokenizer(tmp_path):
     with LLM(llama_deep(tmp_path), max_model_len=24) as small:  # no tokenizer.json
