@@ -116,6 +116,8 @@ class Launcher:
         cause = next(((r, c) for r, c in exited.items() if c not in (0, EXIT_LINK_FAILED)), None)
         rank, code = cause if cause is not None else next(iter(exited.items()))
         why = "lost its link to a neighbour" if code == EXIT_LINK_FAILED else _describe(code)
+        if code == EXIT_LINK_FAILED and self.node.nnodes > 1:  # no rank here says otherwise
+            why += ", likely on another node: its launcher says why"
         say(f"rank {rank} exited ({why}); ending the group")
         self.stop()
         return 1
