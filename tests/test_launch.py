@@ -192,6 +192,9 @@ def test_two_launchers_act_as_two_nodes(stop_node):
         if stop_node == 0:  # node 1's ranks ended with rank 0's orderly shutdown
             assert other.proc.returncode == 0, other.output()
             assert "rank 0 shut the ring down" in other.output()
+        else:  # node 0 lost rank 1 with node 1: the cause is there
+            said = other.wait_for("ending the group", 10)
+            assert "lost its link to a neighbour, likely on another node" in said, said
     finally:
         first.stop()
         second.stop()
