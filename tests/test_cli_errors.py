@@ -44,6 +44,7 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
+        two_nodes = ["launch", "--pp", "2", "--nnodes", "2"]
         cases = {
             "missing model": (["launch", "--model", str(tmp_path / "nope")], "no such directory"),
             "config missing a size": (
@@ -60,37 +61,17 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
             ),
             "port in use": (["launch", "--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
             "exchange port in use": (
-                [
-                    "launch",
-                    "--pp",
-                    "2",
-                    "--nnodes",
-                    "2",
-                    "--master-port",
-                    str(port - 1),
-                    "--port",
-                    str(free_port()),
-                ],
+                [*two_nodes, "--master-port", str(port - 1), "--port", str(free_port())],
                 f"node 0 cannot serve ring exchange at 127.0.0.1:{port}",
-            ),  # fmt: skip
+            ),
             "master port in use": (
                 ["launch", "--master-port", str(port), "--port", str(free_port())],
                 f"cannot listen on 0.0.0.0:{port} (Address already in use); pick another --master-port",
             ),
             "HTTP port on the ring's": (
-                [
-                    "launch",
-                    "--pp",
-                    "2",
-                    "--nnodes",
-                    "2",
-                    "--master-port",
-                    "24990",
-                    "--port",
-                    "24991",
-                ],
+                [*two_nodes, "--master-port", "24990", "--port", "24991"],
                 "--port 24991 is the ring's",
-            ),  # fmt: skip
+            ),
             "split does not fit": (
                 ["launch", "--pp", "2", "--rank-memory-mib", "10,10"],
                 "rank 1 cannot hold its slice",

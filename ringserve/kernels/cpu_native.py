@@ -218,6 +218,21 @@ class CpuKernels:
             if residual.shape != x.shape or residual.dtype != x.dtype:
                 raise ValueError("the residual must have the rows' shape and dtype")
             summed = torch.empty_like(x)
+        self.norm_into(x, residual, weight, out, summed, eps, DTYPE_CODES[x.dtype])
+        return out, summed
+
+    def norm_into(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        summed: torch.Tensor | None,
+        eps: float,
+        code: int,
+    ) -> None:
+        """`add_rmsnorm` into `out` (and `summed`) once its arguments are
+        checked: contiguous rows of one shape and storage type (`code`)."""
         status = self.norm_fn(
             x.data_ptr(),
             None if residual is None else residual.data_ptr(),
@@ -227,11 +242,10 @@ class CpuKernels:
             x.shape[0],
             x.shape[1],
             eps,
-            DTYPE_CODES[x.dtype],
+            code,
         )
         if status != 0:
             raise MemoryError(f"CPU add_rmsnorm failed (status {status})")
-        return out, summed
 
     def supports_silu_mul(self, gate_up: torch.Tensor) -> bool:
         """[T, 2I] contiguous rows of a storage type the kernel knows."""

@@ -91,7 +91,7 @@ class NativePass:
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """rmsnorm(x) of [T, hidden] rows."""
         out = torch.empty_like(x)
-        self._norm(x, None, weight, out, None)
+        self.kernels.norm_into(x, None, weight, out, None, self.eps, self.code)
         return out
 
     def add_rmsnorm(
@@ -99,30 +99,8 @@ class NativePass:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(x + residual), x + residual) of [T, hidden] rows."""
         out, summed = torch.empty_like(x), torch.empty_like(x)
-        self._norm(x, residual, weight, out, summed)
+        self.kernels.norm_into(x, residual, weight, out, summed, self.eps, self.code)
         return out, summed
-
-    def _norm(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        weight: torch.Tensor,
-        out: torch.Tensor,
-        summed: torch.Tensor | None,
-    ) -> None:
-        status = self.kernels.norm_fn(
-            x.data_ptr(),
-            None if residual is None else residual.data_ptr(),
-            weight.data_ptr(),
-            out.data_ptr(),
-            None if summed is None else summed.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            self.eps,
-            self.code,
-        )
-        if status != 0:
-            raise MemoryError(f"CPU add_rmsnorm failed (status {status})")
 
     def rope_store(
         self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
