@@ -251,7 +251,8 @@ def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
 def _check_node_0_ports(args: argparse.Namespace) -> None:
     """Node 0 listens on the HTTP port, on the master port (rank 0's store
     for the rendezvous) and, with several nodes, the port after it (the
-    ring exchange): all free, and all different."""
+    ring exchange, which says so itself when it cannot listen): the HTTP
+    and master ports free, and the three different."""
     _check_port_free(args.host, args.port)
     if args.master_port is None:  # one node: the launcher picks a free one
         return

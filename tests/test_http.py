@@ -24,6 +24,7 @@ from ringserve.http.options import HttpOptions
 from ringserve.launch.serve import build_conductor
 from ringserve.models.builtin import builtin_model_dir
 from ringserve.plan.sizing import size_ring
+from tests.model_factory import llama_deep
 
 MODEL = "ringserve-builtin"
 PROMPT = "The quick brown fox"
@@ -223,6 +224,18 @@ async def test_chat_default_max_tokens_fills_the_context() -> None:
     usage = body["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
     assert body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stop_strings_on_a_model_without_a_tokenizer_are_refused_by_name(tmp_path) -> None:
+    """They are matched in text, which such a model never writes: refused,
+    as bad_words are, instead of never firing."""
+    async with serving(model_dir=llama_deep(tmp_path)) as bare:
+        ask = {"prompt": [5, 6, 7], "max_tokens": 2}
+        status, body = await bare.post("/v1/completions", {**ask, "stop": ["x"]})
+        assert status == 400 and body["error"]["param"] == "stop", body
+        assert "stop strings need a tokenizer" in body["error"]["message"]
+        status, body = await bare.post("/v1/completions", ask)
+        assert status == 200, body
 
 
 @pytest.mark.timeout(30)

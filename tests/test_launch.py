@@ -245,12 +245,13 @@ def test_without_budgets_each_node_measures_its_own_ranks_for_node_0s_plan():
         second.stop()
 
 
-def test_a_node_started_for_another_ring_is_refused_by_both_nodes():
+@pytest.mark.parametrize("sizing", [(), ("--layer-split", "2,2")], ids=["measured", "split"])
+def test_a_node_started_for_another_ring_is_refused_by_both_nodes(sizing):
     """Node 0 sized a ring of 2 ranks on 2 nodes; a node started for 4 on 4
     says so and ends, and node 0, told, ends too: neither waits for ranks
-    that will never meet."""
+    that will never meet (whether node 0 waited for its budgets or not)."""
     port = two_node_ports()
-    first = Launched("--pp", "2", "--nnodes", "2", "--master-port", port, *COMMON,
+    first = Launched("--pp", "2", "--nnodes", "2", "--master-port", port, *COMMON, *sizing,
                      "--node-rank", "0", expect_ready=False)  # fmt: skip
     second = Launched("--pp", "4", "--nnodes", "4", "--master-port", port, *COMMON,
                       "--node-rank", "1", expect_ready=False)  # fmt: skip

@@ -6,6 +6,7 @@ take, so those passes keep the checked path."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from unittest import mock
 
@@ -101,6 +102,8 @@ def test_bind_refuses_what_the_kernels_cannot_take(kernels):
     assert bind(kernels, decode, x, pool.bfloat16()) is None  # pool of another dtype
     assert bind(kernels, decode, x, pool[:, :, :8]) is None  # pool not contiguous
     assert bind(kernels, prefill, x, pool) is None  # 17 rows in the pass, 3 given
+    narrow = dataclasses.replace(decode, out_slots=decode.out_slots.int())
+    assert bind(kernels, narrow, x, pool) is None  # the kernel reads int64 slots
 
 
 def test_decode_attention_is_native_only_where_its_kernel_applies(kernels):

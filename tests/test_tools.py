@@ -194,7 +194,12 @@ async def test_tool_calls_and_results_in_the_history_reach_the_template(server: 
                     "id": "call_1",
                     "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
+                },
+                {  # arguments whose JSON is a string: decoded once, to that string
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps('{"a": 1}')},
+                },
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
@@ -203,6 +208,7 @@ async def test_tool_calls_and_results_in_the_history_reach_the_template(server: 
     assert status == 200, body
     _, text = await server.post("/detokenize", {"tokens": body["tokens"]})
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}' in text["prompt"]
+    assert '"arguments": "{\\"a\\": 1}"}' in text["prompt"], text["prompt"]
     assert "sunny, 21 C" in text["prompt"]
     done = await client(server).chat.completions.create(
         model=MODEL, messages=history, tools=TOOLS, max_tokens=4, tool_choice="none"

@@ -10,7 +10,7 @@ from typing import Any
 from ringserve.http.errors import bad_request
 from ringserve.http.schemas import ChatMessage, MessageToolCall
 from ringserve.http.served import ServedModel
-from ringserve.models.tokenizer import Tokenizer, template_arguments
+from ringserve.models.tokenizer import Tokenizer
 
 PromptBody = str | list[str | int | list[int]]
 
@@ -96,8 +96,7 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
 def _template_call(call: MessageToolCall) -> dict[str, Any]:
     """A tool call with its arguments as an object, as Hugging Face passes
     them to chat templates (OpenAI sends them as JSON text)."""
-    arguments = template_arguments(call.function.arguments)
-    function = {"name": call.function.name, "arguments": arguments}
+    function = {"name": call.function.name, "arguments": call.function.arguments}
     return {"id": call.id, "type": call.type, "function": function}
 
 

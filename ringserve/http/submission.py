@@ -32,7 +32,7 @@ WATCH_INTERVAL_S = 0.1
 
 # Fields whose token ids the desk checks against the vocabulary.
 _PARAMS_CHECKED_AT_SUBMIT = frozenset(
-    {"logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids"}
+    {"logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids", "stop"}
 )
 
 

@@ -332,7 +332,7 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
         for (int64_t i = 0; i < hq * dim; i += LANES)                                          \
             vstore(qf + i, vmul(vload_##SUFFIX(q + i), vset(job->scale)));                     \
         int64_t l = 0;                                                                         \
-        float four[4], eight[4];                                                               \
+        float four[4], next4[4];                                                               \
         for (; l + 4 <= len; l += 4) {                                                         \
             const ELEM *r0 = kc + slots[l] * row_len, *r1 = kc + slots[l + 1] * row_len;       \
             const ELEM *r2 = kc + slots[l + 2] * row_len, *r3 = kc + slots[l + 3] * row_len;   \
@@ -343,9 +343,9 @@ static inline vec vsilu(vec x) { return vdiv(x, vadd(vset(1.0f), vexp(vsub(vzero
                 int64_t j = 0;                                                                 \
                 for (; j + 2 <= group; j += 2, i += 2) {                                       \
                     dot4x2_##SUFFIX(qf + i * dim, qf + (i + 1) * dim, r0 + at, r1 + at,        \
-                                    r2 + at, r3 + at, dim, four, eight);                       \
+                                    r2 + at, r3 + at, dim, four, next4);                       \
                     memcpy(scores + i * width + l, four, sizeof four);                         \
-                    memcpy(scores + (i + 1) * width + l, eight, sizeof eight);                 \
+                    memcpy(scores + (i + 1) * width + l, next4, sizeof next4);                 \
                 }                                                                              \
                 for (; j < group; ++j, ++i) {                                                  \
                     dot4_##SUFFIX(qf + i * dim, r0 + at, r1 + at, r2 + at, r3 + at, dim, four); \

@@ -259,11 +259,14 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of [T, 2I] rows holding [gate | up]: [T, I]."""
+        return self.silu_into(gate_up, DTYPE_CODES[gate_up.dtype])
+
+    def silu_into(self, gate_up: torch.Tensor, code: int) -> torch.Tensor:
+        """`silu_mul` once its argument is checked: contiguous [T, 2I] rows
+        of storage type `code`."""
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        status = self.silu_fn(
-            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, DTYPE_CODES[gate_up.dtype]
-        )
+        status = self.silu_fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, code)
         if status != 0:
             raise MemoryError(f"CPU silu_mul failed (status {status})")
         return out

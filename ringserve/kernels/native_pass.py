@@ -73,6 +73,7 @@ class NativePass:
             or pool_layer.shape[1:] != (hkv, dim)
             or any(t.dtype != x.dtype or t.shape != (tokens, 1, dim) for t in rope)
             or batch.out_slots.shape != (tokens,)
+            or batch.out_slots.dtype != torch.int64
         ):
             return None
         decode = (
@@ -134,11 +135,4 @@ class NativePass:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of [T, 2I] rows holding [gate | up]: [T, I]."""
-        rows, width = gate_up.shape
-        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        status = self.kernels.silu_fn(
-            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, self.code
-        )
-        if status != 0:
-            raise MemoryError(f"CPU silu_mul failed (status {status})")
-        return out
+        return self.kernels.silu_into(gate_up, self.code)

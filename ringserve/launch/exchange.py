@@ -136,7 +136,9 @@ class RingExchange:
         """Node 0: return once every other node has joined; UserError naming
         a node that refused, or that never came within the timeout."""
         for node in range(1, nnodes):
-            self._get(f"{JOINED_KEY}/{node}", f"hear from node {node}", node)
+            why = self._get(f"{JOINED_KEY}/{node}", f"hear from node {node}").decode()
+            if why:
+                raise UserError(f"node {node} refused the ring: {why}")
 
     def _get(self, key: str, what: str, node: int | None = None) -> bytes:
         """The value at `key`, waiting for it up to the timeout; UserError

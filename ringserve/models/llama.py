@@ -109,15 +109,8 @@ class LlamaLayer(nn.Module):
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         heads = linear(x, self.qkv, self.qkv_bias).unflatten(-1, (hq + 2 * hkv, cfg.head_dim))
         qk, v = heads.split([hq + hkv, hkv], dim=1)
-        if self.q_norm is not None:  # one expression: the normed halves die with the cat
-            eps = cfg.norm_eps
-            qk = torch.cat(
-                (
-                    ops.rmsnorm(qk[:, :hq], self.q_norm, eps),
-                    ops.rmsnorm(qk[:, hq:], self.k_norm, eps),
-                ),
-                dim=1,
-            )
+        if self.q_norm is not None:
+            qk = self._norm_qk(qk)
         native = batch.native
         if native is not None and native.supports_rope_store(qk, v, rope[0], k_cache, v_cache):
             q = native.rope_store(qk, v, *rope, k_cache, v_cache, batch.out_slots)
@@ -127,6 +120,15 @@ class LlamaLayer(nn.Module):
             ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         out = ops.paged_attention(q, k_cache, v_cache, batch, self.scale)
         return linear(out.flatten(-2), self.o, self.o_bias)
+
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head norms of [T, Hq + Hkv, D] queries and keys (one
+        expression: the normed halves die with the cat)."""
+        hq, eps = self.cfg.num_heads, self.cfg.norm_eps
+        return torch.cat(
+            (ops.rmsnorm(qk[:, :hq], self.q_norm, eps), ops.rmsnorm(qk[:, hq:], self.k_norm, eps)),
+            dim=1,
+        )
 
     def mlp(self, x: torch.Tensor, native: CpuKernels | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up, self.gate_up_bias)
@@ -150,15 +152,8 @@ class LlamaLayer(nn.Module):
             normed, residual = kernels.add_rmsnorm(pending, residual, self.input_norm)
         heads = linear(normed, self.qkv, self.qkv_bias).unflatten(-1, (hq + 2 * hkv, -1))
         qk, v = heads[:, : hq + hkv], heads[:, hq + hkv :]
-        if self.q_norm is not None:  # as in `attention`
-            eps = cfg.norm_eps
-            qk = torch.cat(
-                (
-                    ops.rmsnorm(qk[:, :hq], self.q_norm, eps),
-                    ops.rmsnorm(qk[:, hq:], self.k_norm, eps),
-                ),
-                dim=1,
-            )
+        if self.q_norm is not None:
+            qk = self._norm_qk(qk)
         q = kernels.rope_store(qk, v, k_cache, v_cache)
         out = kernels.attention(q, k_cache, v_cache, self.scale)
         attn = linear(out.flatten(-2), self.o, self.o_bias)

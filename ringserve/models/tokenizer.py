@@ -260,7 +260,7 @@ def _named_templates(value: Any) -> dict[str, str]:
 _REASONING_NAMES = ("reasoning_content", "reasoning", "thinking")
 
 
-def template_arguments(arguments: Any) -> Any:
+def _template_arguments(arguments: Any) -> Any:
     """A tool call's arguments as chat templates read them: an object, where
     OpenAI's shape sends them as JSON text (text that is not JSON stays)."""
     if not isinstance(arguments, str):
@@ -299,7 +299,7 @@ def _template_call(call: Any) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or "arguments" not in function:
         return call
-    arguments = template_arguments(function["arguments"])
+    arguments = _template_arguments(function["arguments"])
     return {**call, "function": {**function, "arguments": arguments}}
 
 
