@@ -131,6 +131,35 @@ class Rig:
         split.append(layers - a)
         return value, tuple(split)
 
+    def least_short(self, t: int, floor: int) -> tuple[int, ...]:
+        """Of the splits at capacity t whose every rank keeps at least
+        `floor` headroom (the best worst headroom there is, when no split
+        fits), the first in lexicographic order of those whose summed
+        shortfall is least: a refusal then names the rank that must have
+        more, with no rank short that another split would leave whole."""
+        ranks, layers = self.ranks, self.num_layers
+        # least[r][a]: (summed shortfall of ranks r.. holding [a, L), end of rank r)
+        least: list[list[tuple[int, int] | None]] = [[None] * (layers + 1) for _ in range(ranks)]
+        for a in range(ranks - 1, layers):
+            room = self.room(ranks - 1, a, layers, t)
+            least[-1][a] = (max(0, -room), layers) if room >= floor else None
+        for r in range(ranks - 2, -1, -1):
+            for a in range(r, layers - (ranks - 1 - r)):
+                for b in self._ends(r, a, None):
+                    room, rest = self.room(r, a, b, t), least[r + 1][b]
+                    if room < floor or rest is None:
+                        continue
+                    if least[r][a] is None or max(0, -room) + rest[0] < least[r][a][0]:  # type: ignore[index]
+                        least[r][a] = (max(0, -room) + rest[0], b)
+        split, a = [], 0
+        for r in range(ranks):
+            step = least[r][a]
+            if step is None:
+                raise ValueError(f"no split keeps every rank's headroom at {floor} or more")
+            split.append(step[1] - a)
+            a = step[1]
+        return tuple(split)
+
     def _suffix_best(self, t: int, caps: tuple[int, ...] | None) -> list[list[int]]:
         """best[r][a]: the largest minimum headroom of ranks r.. holding
         layers [a, L), each rank at least one layer and at most its cap.

@@ -99,7 +99,7 @@ def solve(
     lo = max(1, -(-min_capacity_tokens // page_size))
     value, split = rig.best_split(lo * page_size)
     if value < 0:
-        raise _refusal(rig, split, lo * page_size)
+        raise _refusal(rig, rig.least_short(lo * page_size, value), lo * page_size)
     hi = bound = max(lo, _page_bound(rig, page_size))
     if max_capacity_tokens is not None:
         hi = max(lo, min(hi, max_capacity_tokens // page_size))
@@ -125,9 +125,10 @@ def _page_bound(rig: Rig, page_size: int) -> int:
 
 
 def _refusal(rig: Rig, split: tuple[int, ...], capacity: int) -> PlanError:
-    """`split` is the split whose worst deficit is smallest; name its worst
-    rank: every other split leaves some rank at least that far short, so this
-    shortfall is the least the operator must find."""
+    """`split` is a split whose worst deficit is smallest (and, of those,
+    whose summed deficit is least); name its worst rank: every other split
+    leaves some rank at least that far short, so this shortfall is the least
+    the operator must find."""
     ledger = rig.ledger(split, capacity)
     worst = min(ledger, key=lambda e: e.headroom)
     log.warning("plan.refused", rank=worst.rank, shortfall=-worst.headroom, split=list(split))
