@@ -4,6 +4,7 @@ with its defaults declared here and nowhere else."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -144,8 +145,8 @@ class EngineConfig:
             raise ValueError(f"plan_for must be one of {list(PLAN_FOR)}, not {self.plan_for!r}")
         if self.rank_speed is not None:
             speeds = tuple(float(s) for s in self.rank_speed)
-            if not speeds or not all(s > 0 for s in speeds):
-                raise ValueError(f"rank_speed must be positive factors, got {list(speeds)}")
+            if not speeds or not all(0 < s < math.inf for s in speeds):
+                raise ValueError(f"rank_speed must be positive finite factors, got {list(speeds)}")
             object.__setattr__(self, "rank_speed", speeds)  # a list given to LLM(...) too
         if self.min_kv_tokens is not None and self.min_kv_tokens < 2:
             raise ValueError("min_kv_tokens must be >= 2")
@@ -179,6 +180,10 @@ class EngineConfig:
             )
         if self.speculative == "draft" and self.draft_model is None:
             raise ValueError("speculative 'draft' needs draft_model (a model directory)")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise ValueError(
+                "draft_model is used only with speculative 'draft' (--speculative draft)"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in 1..16")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -198,7 +203,10 @@ class EngineConfig:
         `RING_FIELDS`, plan and host tier taken, this node's per-rank
         choices kept."""
         taken = {name: getattr(sized, name) for name in RING_FIELDS}
-        return replace(self, **taken, plan=sized.plan, host_kv_mib=sized.host_kv_mib)
+        draft = sized.draft_model if sized.speculative == "draft" else None  # rank 0's alone
+        return replace(
+            self, **taken, draft_model=draft, plan=sized.plan, host_kv_mib=sized.host_kv_mib
+        )
 
     @property
     def speculative_tokens(self) -> int:

@@ -86,6 +86,26 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 ],
                 "unsupported model_type 'mamba'",
             ),
+            "infinite rank speed": (
+                ["plan", "--pp", "2", "--rank-memory-mib", "900,900", "--rank-speed", "inf,1"],
+                "rank_speed must be positive finite factors",
+            ),
+            "a draft model without draft speculation": (
+                ["plan", "--draft-model", str(builtin_model_dir())],
+                "draft_model is used only with speculative 'draft'",
+            ),
+            "a draft of another vocabulary": (
+                [
+                    "plan",
+                    "--speculative",
+                    "draft",
+                    "--draft-model",
+                    broken_model(
+                        tmp_path, "wide", {**builtin, "vocab_size": 2 * builtin["vocab_size"]}
+                    ),
+                ],
+                "they must share one tokenizer",
+            ),  # fmt: skip
             "unknown device": (
                 ["plan", "--device", "gpu", "--rank-memory-mib", "900"],
                 "device must be auto, cpu, cuda",

@@ -217,12 +217,13 @@ def test_the_boot_audit_reports_a_draft_the_plan_left_out(pair, planned):
 
     target, draft = pair
     config = EngineConfig(
-        model_dir=target, max_tokens_per_pass=48, max_batch=8, draft_model=draft,
-        speculative="draft" if planned else "ngram",
+        model_dir=target, max_tokens_per_pass=48, max_batch=8,
+        draft_model=draft if planned else None, speculative="draft" if planned else "ngram",
     )  # fmt: skip
     sized, _ = size_ring(config, 1, [3])
     with capture_logs() as logs:
-        build_drafter(replace(sized, speculative="draft"), ModelConfig.from_dir(target))
+        drafting = replace(sized, speculative="draft", draft_model=draft)
+        build_drafter(drafting, ModelConfig.from_dir(target))
     unforeseen = {e["part"] for e in logs if e["event"] == "plan.unforeseen"}
     if planned:  # the CPU's activation figure is a resident-set rise: noisy, so not pinned
         assert unforeseen <= {"draft_activations"}

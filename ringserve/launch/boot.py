@@ -27,6 +27,7 @@ from ringserve.models.loader import load_model
 from ringserve.models.slice import ModelSlice
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.plan.audit import check_allocation, check_draft
+from ringserve.plan.draft import draft_config
 from ringserve.plan.ledger import visible_gpus
 from ringserve.ring.announce import Expectation
 from ringserve.ring.codec import TensorSpec
@@ -85,12 +86,7 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
     a KV pool of the ring's token capacity; None without one."""
     if config.speculative != "draft" or config.draft_model is None:
         return None
-    draft_cfg = ModelConfig.from_dir(config.draft_model)
-    if draft_cfg.vocab_size != cfg.vocab_size:
-        raise ValueError(
-            f"draft model {config.draft_model} has a vocabulary of {draft_cfg.vocab_size} "
-            f"tokens, the served model {cfg.vocab_size}: they must share one tokenizer"
-        )
+    draft_cfg = draft_config(config.draft_model, cfg)
     dtype = TORCH_DTYPES[resolve_dtype(config.dtype, draft_cfg.torch_dtype)]
     device = place_rank(config, 0)
     layers = range(draft_cfg.num_layers)

@@ -67,6 +67,18 @@ class DraftLedger:
         return {"bytes": self.total, "source": self.source, **parts}
 
 
+def draft_config(draft_dir: str | Path, served: ModelConfig) -> ModelConfig:
+    """The draft model's config; ValueError when its vocabulary is not the
+    served model's (the two read and write one stream of token ids)."""
+    cfg = ModelConfig.from_dir(draft_dir)
+    if cfg.vocab_size != served.vocab_size:
+        raise ValueError(
+            f"draft model {draft_dir} has a vocabulary of {cfg.vocab_size} tokens, the served "
+            f"model {served.vocab_size}: they must share one tokenizer"
+        )
+    return cfg
+
+
 def draft_bytes_from_dir(
     draft_dir: str | Path, dtype: str, *, max_num_tokens_per_pass: int, max_num_seqs: int
 ) -> DraftBytes:

@@ -9,6 +9,7 @@ import structlog
 
 from ringserve.config import EngineConfig, device_list, rank_device, resolve_dtype
 from ringserve.models.config import ModelConfig
+from ringserve.plan.draft import draft_config
 from ringserve.plan.host import solve_host, with_host
 from ringserve.plan.ledger import visible_gpus
 from ringserve.plan.solve import Objective, Plan, plan
@@ -35,6 +36,8 @@ def size_ring(
     machine's own measurements would be."""
     config = replace(config, device=resolve_device(config.device, pp_size))
     cfg = ModelConfig.from_dir(config.model_dir)
+    if config.speculative == "draft" and config.draft_model is not None:
+        draft_config(config.draft_model, cfg)  # before any rank loads either
     if config.layer_split is not None:
         if rank_memory_mib is not None:
             raise ValueError(
