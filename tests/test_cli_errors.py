@@ -86,6 +86,14 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 ],
                 "unsupported model_type 'mamba'",
             ),
+            "budgets in bytes": (
+                ["plan", "--pp", "2", "--rank-memory-mib", "34359738368,10737418240"],
+                "rank memory budgets are in MiB",
+            ),
+            "a negative budget": (
+                ["plan", "--pp", "2", "--rank-memory-mib=-5,30000"],
+                "rank memory budgets are in MiB, 0 to 16777216 (16 TiB), got -5",
+            ),
             "infinite rank speed": (
                 ["plan", "--pp", "2", "--rank-memory-mib", "900,900", "--rank-speed", "inf,1"],
                 "rank_speed must be positive finite factors",

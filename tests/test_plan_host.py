@@ -32,7 +32,7 @@ def test_host_mib_solves_the_tokens_the_fullest_rank_holds():
 def test_host_tokens_given_are_kept_and_priced_per_rank():
     sized, plan = size_ring(EngineConfig(builtin_model_dir(), host_kv_tokens=1000), 2, [900, 300])
     assert sized.host_kv_tokens == plan.host_tokens == 1000
-    assert all(e.host.source == "config" for e in plan.ledger)
+    assert all(e.host.source == "given+config" for e in plan.ledger)
     sized, plan = size_ring(EngineConfig(builtin_model_dir()), 2, [900, 300])
     assert sized.host_kv_tokens == plan.host_tokens == 0 and "host KV" not in plan.table()
 

@@ -19,7 +19,7 @@ def solve_host(config: EngineConfig, cfg: ModelConfig, dtype: str) -> tuple[int,
     split = config.layer_split or (cfg.num_layers,)
     per_layer = cfg.kv_bytes_per_token_per_layer(dtype)
     if config.host_kv_mib is None:
-        tokens, source = config.host_kv_tokens, "config"
+        tokens, source = config.host_kv_tokens, "given+config"  # tokens given, bytes per token
     elif config.host_kv_tokens:
         raise ValueError(
             "give host_kv_tokens or host_kv_mib, not both: the planner solves the tokens"
