@@ -94,8 +94,9 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
 
 
 def _template_call(call: MessageToolCall) -> dict[str, Any]:
-    """A tool call with its arguments as an object, as Hugging Face passes
-    them to chat templates (OpenAI sends them as JSON text)."""
+    """A tool call in Hugging Face's message shape; its arguments, JSON text
+    as OpenAI sends them, the tokenizer turns into an object (for the
+    offline API's messages alike)."""
     function = {"name": call.function.name, "arguments": call.function.arguments}
     return {"id": call.id, "type": call.type, "function": function}
 
