@@ -6,14 +6,16 @@ model's ops check once more which backend takes the call. Every layer of a
 pass sees the same row count, widths, dtype and layouts, so those checks
 repeat a layer's answer a dozen times a layer; on a decode pass of a small
 model they cost as much as the norms they guard (a ~111M Llama in bfloat16
-at 32 rows: 1.3-1.6 ms of a 30 ms step). `NativePass.bind` checks what a
+at 32 rows: 1.1-1.6 ms of a 30 ms step). `NativePass.bind` checks what a
 pass's layers share, once, or returns None when anything does not fit (the
 layers then take the checked path); its methods allocate their outputs and
 call the kernels with nothing else.
 
 What `bind` cannot see, it relies on: a layer's activations are what
 `F.linear` and these kernels return (dense rows), its norm weights are the
-model's own (one dtype, `[hidden]`, contiguous: `ModelSlice` makes them so).
+model's own (one dtype, `[hidden]`, contiguous: `ModelSlice` makes them so),
+and every pool layer is shaped, typed and laid out as the one it is shown
+(`KVPool` makes them so).
 """
 
 from __future__ import annotations
