@@ -59,13 +59,19 @@ def split_tokens(model, budgets, acts, draft, split, page: int) -> int:
 
 def brute(model, budgets, acts, draft, page: int, floor: int) -> tuple[int, tuple, int]:
     """The largest page multiple T >= floor some split fits (-1: none), the
-    lexicographically first split with the largest minimum headroom there,
-    and that minimum; at floor when nothing fits."""
+    lexicographically first split with the largest minimum headroom there
+    (and, of those, the least summed shortfall), and that minimum; at floor
+    when nothing fits."""
     all_splits = list(splits(len(model.layers), len(budgets)))
     best_t = max(split_tokens(model, budgets, acts, draft, s, page) for s in all_splits)
     best_t = best_t if best_t >= floor else -1
     at = best_t if best_t >= 0 else floor
-    split = max(all_splits, key=lambda s: (min(rooms(model, budgets, acts, draft, s, at)),))
+
+    def rank(s: tuple[int, ...]) -> tuple[int, int]:
+        headroom = rooms(model, budgets, acts, draft, s, at)
+        return min(headroom), -sum(max(0, -room) for room in headroom)
+
+    split = max(all_splits, key=rank)
     return best_t, split, min(rooms(model, budgets, acts, draft, split, at))
 
 
