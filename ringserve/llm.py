@@ -148,7 +148,11 @@ class LLM:
             raise RuntimeError("this LLM is closed")
         flat_ids = [p for p, sp in zip(ids, params, strict=True) for _ in range(sp.n)]
         if self._seeds is not None:  # drawn in prompt order: the same script, the same seeds
-            params = [self._seeded(sp) for sp in params]
+            draw = self._seeds.getrandbits
+            params = [
+                sp if sp.seed is not None else dataclasses.replace(sp, seed=draw(62))
+                for sp in params
+            ]
         flat_params = [c for sp in params for c in _choices(sp)]
         bar = GenerateBar(len(flat_ids), use_tqdm)
         try:
@@ -162,11 +166,6 @@ class LLM:
             grouped.append(RequestOutput.of_choices(text, outputs[at : at + sp.n]))
             at += sp.n
         return grouped
-
-    def _seeded(self, params: SamplingParams) -> SamplingParams:
-        if params.seed is not None or self._seeds is None:
-            return params
-        return dataclasses.replace(params, seed=self._seeds.getrandbits(62))
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

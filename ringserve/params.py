@@ -69,6 +69,13 @@ class StructuredOutputsParams:
         return _json.dumps(parts, sort_keys=True, separators=(",", ":"))
 
 
+# SamplingParams' fields (vLLM's) taken at their defaults only
+_AT_DEFAULT_ONLY = (
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "detokenize",
+)  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling parameters with vLLM's meanings. `temperature=0` is greedy;
@@ -145,10 +152,8 @@ class SamplingParams:
             self.best_of is None or self.best_of == self.n,
             f"best_of must equal n ({self.n}): only the n choices are made, got {self.best_of!r}",
         )
-        defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
-                    "include_stop_str_in_output": False, "detokenize": True}  # fmt: skip
-        for name, default in defaults.items():
-            value = getattr(self, name)
+        for name in _AT_DEFAULT_ONLY:
+            value, default = getattr(self, name), SamplingParams.__dataclass_fields__[name].default
             _check(value is default, f"{name} is supported only as {default}, got {value!r}")
 
     def clone(self) -> SamplingParams:

@@ -115,17 +115,24 @@ class CpuKernels:
         return kernel
 
     def supports_decode(self, q: torch.Tensor, k_cache: torch.Tensor, batch: ForwardBatch) -> bool:
-        """A decode pass of a storage type and head size the kernel knows.
-        Its threads split the sequences: with more threads than sequences
-        SDPA, which splits heads too, keeps the pass."""
+        """A decode pass of a storage type and head size the kernel knows."""
+        return q.device.type == "cpu" and self.decodes(
+            batch, q.dtype, q.shape[1], q.shape[-1], k_cache
+        )
+
+    def decodes(
+        self, batch: ForwardBatch, dtype: torch.dtype, heads: int, dim: int, k_cache: torch.Tensor
+    ) -> bool:
+        """`supports_decode` from the queries' dtype and shape ([B, heads, dim])
+        alone. The kernel's threads split the sequences: with more threads
+        than sequences SDPA, which splits heads too, keeps the pass."""
         return (
             batch.decode_only
             and torch.get_num_threads() <= batch.batch_size
-            and q.device.type == "cpu"
-            and q.dtype in DTYPE_CODES
-            and k_cache.dtype == q.dtype
-            and q.shape[-1] % 16 == 0
-            and q.shape[1] % k_cache.shape[1] == 0
+            and dtype in DTYPE_CODES
+            and k_cache.dtype == dtype
+            and dim % 16 == 0
+            and heads % k_cache.shape[1] == 0
             and k_cache.is_contiguous()
         )
 

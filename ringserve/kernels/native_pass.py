@@ -34,7 +34,7 @@ class NativePass:
     """One pass's rows on the CPU kernels. Invariant: `code` is the dtype of
     the rows, the rope tables and the pool layers; `cos`/`sin` hold one row
     per token; `decode` says the native decode attention takes the pass
-    (`CpuKernels.supports_decode`), otherwise attention goes through `ops`."""
+    (`CpuKernels.decodes`), otherwise attention goes through `ops`."""
 
     kernels: CpuKernels
     batch: ForwardBatch
@@ -78,10 +78,8 @@ class NativePass:
             or batch.out_slots.dtype != torch.int64
         ):
             return None
-        decode = (
-            batch.decode_only
-            and torch.get_num_threads() <= batch.batch_size
-            and dim % 16 == 0
+        decode = (  # the checked path copies slots and lengths that are not so
+            kernels.decodes(batch, x.dtype, hq, dim, pool_layer)
             and batch.req_slots.is_contiguous()
             and batch.seq_lens.is_contiguous()
             and batch.req_slots.dtype == batch.seq_lens.dtype == torch.int64

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import socket
 import time
+from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -81,24 +82,34 @@ class RingExchange:
     def _wait_until_served(self, host: str, port: int) -> None:
         """Wait for node 0's exchange to listen (torch's own connect retries
         in C++, deaf to Ctrl-C, and prints a stack at each retry)."""
-        deadline, said = time.monotonic() + self.timeout_s, False
-        while True:
+
+        def answers() -> bool:
             try:
                 with socket.create_connection((host, port), timeout=1.0):
-                    return
+                    return True
             except OSError:
-                pass
-            waited = self.timeout_s - (deadline - time.monotonic())
+                return False
+
+        if not self._poll(answers, f"node 0's ring exchange at {self.where}"):
+            raise UserError(
+                f"node 0's ring exchange at {self.where} did not answer within "
+                f"{self.timeout_s:.0f} s: is node 0 started, with this --master-addr and "
+                "--master-port?"
+            )
+
+    def _poll(self, ready: Callable[[], bool], awaited: str) -> bool:
+        """Whether `ready()` came true within the timeout, asked every
+        POLL_S (sleeps Ctrl-C ends); says once what it waits for."""
+        began, said = time.monotonic(), False
+        while not ready():
+            waited = time.monotonic() - began
+            if waited > self.timeout_s:
+                return False
             if not said and waited > QUIET_S:
-                say(f"waiting for node 0's ring exchange at {self.where}")
+                say(f"waiting for {awaited}")
                 said = True
-            if time.monotonic() > deadline:
-                raise UserError(
-                    f"node 0's ring exchange at {self.where} did not answer within "
-                    f"{self.timeout_s:.0f} s: is node 0 started, with this --master-addr and "
-                    "--master-port?"
-                )
-            time.sleep(POLL_S * 5)
+            time.sleep(POLL_S)
+        return True
 
     def ask_budgets(self, asked: bool) -> None:
         """Node 0 says whether it plans from measured budgets: only then do
@@ -136,25 +147,23 @@ class RingExchange:
         """Node 0: return once every other node has joined; UserError naming
         a node that refused, or that never came within the timeout."""
         for node in range(1, nnodes):
-            why = self._get(f"{JOINED_KEY}/{node}", f"hear from node {node}").decode()
-            if why:
-                raise UserError(f"node {node} refused the ring: {why}")
+            self._get(f"{JOINED_KEY}/{node}", f"hear from node {node}", node)
 
     def _get(self, key: str, what: str, node: int | None = None) -> bytes:
         """The value at `key`, waiting for it up to the timeout; UserError
         once `node` (when given) has refused the ring instead."""
-        deadline, said = time.monotonic() + self.timeout_s, False
-        watched = [] if node is None else [f"{JOINED_KEY}/{node}"]
-        try:
-            while not self.store.check([key]):
-                if watched and self.store.check(watched) and (why := self.store.get(watched[0])):
+        refusal = f"{JOINED_KEY}/{node}"
+
+        def ready() -> bool:
+            if node is not None and self.store.check([refusal]):
+                why = self.store.get(refusal)
+                if why:
                     raise UserError(f"node {node} refused the ring: {why.decode()}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no {key} after {self.timeout_s:.0f} s")
-                if not said and self.timeout_s - (deadline - time.monotonic()) > QUIET_S:
-                    say(f"waiting for the ring exchange ({self.where}) to {what}")
-                    said = True
-                time.sleep(POLL_S)
+            return self.store.check([key])
+
+        try:
+            if not self._poll(ready, f"the ring exchange ({self.where}) to {what}"):
+                raise TimeoutError(f"no {key} after {self.timeout_s:.0f} s")
             return self.store.get(key)
         except (RuntimeError, TimeoutError) as exc:
             raise UserError(

@@ -146,11 +146,12 @@ class Rig:
         for r in range(ranks - 2, -1, -1):
             for a in range(r, layers - (ranks - 1 - r)):
                 for b in self._ends(r, a, None):
-                    room, rest = self.room(r, a, b, t), least[r + 1][b]
+                    room, rest, best = self.room(r, a, b, t), least[r + 1][b], least[r][a]
                     if room < floor or rest is None:
                         continue
-                    if least[r][a] is None or max(0, -room) + rest[0] < least[r][a][0]:  # type: ignore[index]
-                        least[r][a] = (max(0, -room) + rest[0], b)
+                    short = max(0, -room) + rest[0]
+                    if best is None or short < best[0]:
+                        least[r][a] = (short, b)
         split, a = [], 0
         for r in range(ranks):
             step = least[r][a]
