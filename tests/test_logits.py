@@ -127,4 +127,4 @@ def test_the_replica_keeps_a_rows_tokens_through_a_rolled_back_pass():
     replica.apply(Decision(0, 0, [NewRequest(0, spec, [1, 2])], [admit], []))
     replica.apply(Decision(1, 0, [], [Entry(0, 4, [40], [9], True)], []))  # voided
     (row,) = replica.apply(Decision(2, 0, [], [Entry(0, 4, [41], [10], True)], []))
-    assert row.tokens == [1, 2, 3, 4, 41] and row.slots == [5, 6, 7, 8, 10]
+    assert row.tokens == [1, 2, 3, 4, 41] and row.slots.tolist() == [5, 6, 7, 8, 10]

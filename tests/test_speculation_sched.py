@@ -38,7 +38,7 @@ def step(sched: Scheduler, replica: Replica, yields: int) -> Decision:
     rows = replica.apply(d)
     (entry,) = d.entries
     req = sched.requests[entry.req_id]
-    assert rows[0].slots == req.row and len(entry.slots) == entry.draft + 1
+    assert rows[0].slots.tolist() == req.row and len(entry.slots) == entry.draft + 1
     nxt = req.tokens[-1]
     tokens = [CYCLE[(CYCLE.index(nxt) + 1 + j) % len(CYCLE)] for j in range(yields)]
     sched.on_output(Output(d.pass_id, tokens, accepted=[yields]))
@@ -67,7 +67,7 @@ def test_rejected_positions_free_their_slots_and_the_row_keeps_the_rest():
     # the next pass cuts the replica's row back to what rank 0 kept
     nxt = sched.schedule()
     replica.apply(nxt)
-    assert replica.rows[req.req_id].slots == req.row
+    assert replica.rows[req.req_id].slots.tolist() == req.row
 
 
 def test_k_grows_when_all_are_accepted_and_shrinks_when_few_are():

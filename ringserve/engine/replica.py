@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ringserve.engine.slot_row import SlotRow
 from ringserve.ring.messages import Decision, SamplingSpec
 
 
@@ -21,7 +22,7 @@ class Row:
     `tokens`, kept when the sampling needs them, are that context's tokens."""
 
     sampling: SamplingSpec
-    slots: list[int] = field(default_factory=list)
+    slots: SlotRow = field(default_factory=SlotRow)
     tokens: list[int] | None = None
 
 
@@ -58,9 +59,9 @@ class Replica:
         for e in decision.entries:
             row = self.rows[e.req_id]
             if e.reuse is not None:
-                row.slots = list(e.reuse)
+                row.slots = SlotRow(e.reuse)
             else:
-                del row.slots[e.start :]
+                row.slots.cut(e.start)
             row.slots.extend(e.slots)
             if row.tokens is not None:
                 del row.tokens[e.start :]

@@ -53,10 +53,11 @@ class Runner:
     def batch(self, decision: Decision, rows: list[Row]) -> ForwardBatch:
         entries = decision.entries
         sizes = [len(e.tokens) for e in entries]
-        if self.graphs is not None and self.graphs.takes(sizes, [len(r.slots) for r in rows]):
-            return self.graphs.batch([r.slots for r in rows], [e.sample for e in entries])
+        slots = [r.slots.array() for r in rows]
+        if self.graphs is not None and self.graphs.takes(sizes, [len(s) for s in slots]):
+            return self.graphs.batch(slots, [e.sample for e in entries])
         return ForwardBatch.build(
-            [r.slots for r in rows],
+            slots,
             sizes,
             [e.sample for e in entries],
             self.device,

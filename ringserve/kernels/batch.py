@@ -10,6 +10,7 @@ attend over `req_slots`, so attention only ever reads the pool.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,14 +64,15 @@ class ForwardBatch:
     @classmethod
     def build(
         cls,
-        rows: list[list[int]],
+        rows: Sequence[Sequence[int]],
         extend_lens: list[int],
         sample: list[bool],
         device: torch.device | str = "cpu",
         native: CpuKernels | None = None,
         gather_limit: int | None = None,
     ) -> ForwardBatch:
-        """`rows[b]` is sequence b's full context (prefix then new slots);
+        """`rows[b]` is sequence b's full context (prefix then new slots),
+        a list or, copied faster, an int64 array (a replica's `SlotRow`);
         `extend_lens[b]` how many of them are new; `sample[b]` whether the
         last new token's logits are sampled. `native`, when given, is the
         kernel CPU decode passes attend with; `gather_limit` bounds what
@@ -81,44 +83,42 @@ class ForwardBatch:
         for n, e in zip(seq_lens, extend_lens, strict=True):
             if not 0 < e <= n:
                 raise ValueError(f"extend length {e} outside 1..{n}")
-        req_slots = _padded(rows, max(seq_lens))
-        seq_t = torch.tensor(seq_lens, dtype=torch.int64)
+        padded = _padded(rows, max(seq_lens))
+        lens = np.array(seq_lens, dtype=np.int64)
         dev = torch.device(device)
         if max(extend_lens) == 1:
-            batch = cls._decode(rows, req_slots, seq_t, sample, dev)
+            batch = cls._decode(padded, lens, sample, dev)
         else:
             ext_t = torch.tensor(extend_lens, dtype=torch.int64)
+            req_slots, seq_t = torch.from_numpy(padded), torch.from_numpy(lens)
             batch = cls._extend(req_slots, seq_t, ext_t, torch.tensor(sample), dev)
         batch.native, batch.gather_limit = native, gather_limit
         return batch
 
     @classmethod
     def _decode(
-        cls,
-        rows: list[list[int]],
-        req_slots: torch.Tensor,
-        seq_t: torch.Tensor,
-        sample: list[bool],
-        dev: torch.device,
+        cls, padded: np.ndarray, lens: np.ndarray, sample: list[bool], dev: torch.device
     ) -> ForwardBatch:
-        """`_extend`'s tensors for a pass of one new token per sequence, from
-        fewer ops: row b is query b, at position seq_len - 1."""
-        bsz, width = req_slots.shape
-        rows_t = torch.arange(bsz, dtype=torch.int64)
-        mask = torch.arange(width, dtype=torch.int64)[None, :] < seq_t[:, None]
-        tensors = {
-            "positions": seq_t - 1,
-            "out_slots": torch.tensor([r[-1] for r in rows], dtype=torch.int64),
-            "req_slots": req_slots,
-            "seq_lens": seq_t,
-            "extend_lens": torch.ones(bsz, dtype=torch.int64),
-            "qo_indptr": torch.arange(bsz + 1, dtype=torch.int64),
-            "q_index": rows_t[:, None],
-            "q_valid": torch.ones(bsz, 1, dtype=torch.bool),
-            "valid_rows": rows_t,
-            "attn_mask": mask[:, None, None, :],
-            "sample_rows": torch.tensor([b for b, s in enumerate(sample) if s], dtype=torch.int64),
+        """`_extend`'s tensors for a pass of one new token per sequence, made
+        in numpy (a numpy op costs a fifth of a small torch op's overhead):
+        row b is query b, at position seq_len - 1."""
+        bsz, width = padded.shape
+        rows = np.arange(bsz + 1, dtype=np.int64)
+        last = lens - 1
+        arrays = {
+            "positions": last,
+            "out_slots": padded[rows[:bsz], last],
+            "req_slots": padded,
+            "seq_lens": lens,
+            "extend_lens": np.ones(bsz, dtype=np.int64),
+            "qo_indptr": rows,
+            "q_index": rows[:bsz, None],
+            "q_valid": np.ones((bsz, 1), dtype=np.bool_),
+            "valid_rows": rows[:bsz],
+            "attn_mask": (np.arange(width) < lens[:, None])[:, None, None, :],
+            "sample_rows": np.flatnonzero(sample).astype(np.int64, copy=False),
         }
+        tensors = {name: torch.from_numpy(a) for name, a in arrays.items()}
         return cls(**on_device(tensors, dev), max_extend=1, num_tokens=bsz)
 
     @classmethod
@@ -200,13 +200,15 @@ def packed_copy(tensors: dict[str, torch.Tensor], dev: torch.device) -> dict[str
     return out
 
 
-def _padded(rows: list[list[int]], width: int) -> torch.Tensor:
+def _padded(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
     """[B, width] int64, row b holding rows[b] then zeros: filled row by row
-    in numpy, a third of the time of a tensor made from padded lists."""
+    in numpy, a third of the time of a tensor made from padded lists (and a
+    copy of each row's block where the rows are arrays; one concatenated
+    masked store was slower at every width)."""
     out = np.zeros((len(rows), width), dtype=np.int64)
     for b, row in enumerate(rows):
         out[b, : len(row)] = row
-    return torch.from_numpy(out)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

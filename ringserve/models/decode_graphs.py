@@ -14,6 +14,8 @@ goes to slot 0, the pool's reserved padding slot, attending to slot 0 alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import structlog
 import torch
@@ -87,7 +89,7 @@ class DecodeGraphs:
             and width_bucket(max(widths), self.max_width) is not None
         )
 
-    def batch(self, slots: list[list[int]], sample: list[bool]) -> ForwardBatch:
+    def batch(self, slots: Sequence[Sequence[int]], sample: list[bool]) -> ForwardBatch:
         """Write the pass (each row's context slots, its new token last) into
         the static buffers, one copy to the device, and return the pass's
         batch, whose tensors are views of them."""
