@@ -8,7 +8,7 @@ import torch
 
 from ringserve.kernels.layout import kernel_device
 from ringserve.kernels.sample import sample
-from ringserve.kernels.sample_reference import sample_reference
+from ringserve.kernels.sample_reference import sample_reference, tempered_probs
 
 DEVICE = kernel_device()
 pytestmark = pytest.mark.skipif(
@@ -115,3 +115,22 @@ def test_sample_rejects_noise_of_another_shape():
     logits, noise = logits_and_noise(2, seed=7)
     with pytest.raises(ValueError, match="noise has shape"):
         sample(logits, *mixed_params(2, seed=17), noise[:, :10])
+
+
+def test_sample_keeps_every_token_at_top_p_one():
+    # rows whose running sums pass 1.0 by rounding before their last tokens
+    # (see test_sample_cpu): a top-p of 1 still keeps them, as the reference
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 50000, generator=gen)
+    noise = torch.rand(4, 50000, generator=gen)
+    noise[:, :] = 0.5
+    ones, zeros = torch.ones(4), torch.zeros(4)
+    probs = tempered_probs(logits, ones)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    noise.scatter_(-1, order[:, -1:], 1.0 - 1e-7)  # the least likely token wins if kept
+    params = tuple(t.to(DEVICE) for t in (ones, zeros.long(), ones, zeros))
+    tokens, _ = sample(logits.to(DEVICE), *params, noise.to(DEVICE), block=4096)
+    assert (
+        tokens.tolist()
+        == sample_reference(logits, ones, zeros.long(), ones, zeros, noise)[0].tolist()
+    )

@@ -123,12 +123,19 @@ class Sampler:
         top_k = torch.tensor([s.top_k for s in specs], device=dev)
         top_p = torch.tensor([s.top_p for s in specs], device=dev)
         min_p = torch.tensor([s.min_p for s in specs], device=dev)
-        noise = torch.full_like(logits, 0.5)
-        for i, (spec, pos) in enumerate(zip(specs, positions, strict=True)):
-            if not greedy[i]:
-                noise[i] = Sampler.noise(spec, pos, logits.shape[-1], dev)
+        vocab = logits.shape[-1]
+        half = torch.full((vocab,), 0.5, device=dev)  # a greedy row's noise, never read
+        noise = torch.stack(
+            [
+                half if g else Sampler.noise(spec, pos, vocab, dev)
+                for spec, pos, g in zip(specs, positions, greedy, strict=True)
+            ]
+        )
         tokens, fallback = ops.sample(logits, temperature, top_k, top_p, min_p, noise)
-        return tokens, fallback | (torch.isnan(logits).any(-1) & temperature.eq(0))
+        if any(greedy):  # a greedy row over NaN logits falls back to argmax too
+            rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=dev)
+            fallback[rows] |= torch.isnan(logits[rows]).any(-1)
+        return tokens, fallback
 
     @staticmethod
     def _logprobs(

@@ -20,7 +20,7 @@ from ringserve.kernels.attention_reference import paged_attention_reference, sto
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.cpu_native import CpuKernels
 from ringserve.kernels.norm_reference import add_rmsnorm_reference, rmsnorm_reference
-from ringserve.kernels.sample_reference import sample_reference
+from ringserve.kernels.sample_cpu import sample_candidates
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -155,4 +155,4 @@ def sample(
     """Returns (tokens [S] int64, fallback [S] bool); see `sample_reference`."""
     if uses_triton(logits.device):
         return triton_sample.sample(logits, temperature, top_k, top_p, min_p, noise)
-    return sample_reference(logits, temperature, top_k, top_p, min_p, noise)
+    return sample_candidates(logits, temperature, top_k, top_p, min_p, noise)

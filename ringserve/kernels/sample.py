@@ -127,6 +127,7 @@ def _sample_kernel(
     k = tl.load(top_k + row).to(tl.int64)
     k = tl.where(k > 0, k, VOCAB)
     tp = tl.load(top_p + row).to(tl.float32)
+    tp = tl.where(tp >= 1.0, float("inf"), tp)  # top-p at 1 keeps all, whatever the rounding
     threshold = tl.load(min_p + row).to(tl.float32) * tl.load(p_row)
     total = _kept_mass(p_row, k, tp, threshold, VOCAB, BLOCK)
     # Kept probabilities are finite and non-negative unless the row is NaN, so
@@ -155,7 +156,7 @@ def sample(
     _check(logits, temperature, top_k, top_p, min_p, noise, block)
     rows, vocab = logits.shape
     probs = tempered_probs(logits.float(), temperature)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     noise = noise.float()
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     fallback = torch.empty(rows, dtype=torch.int8, device=logits.device)

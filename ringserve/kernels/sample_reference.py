@@ -29,14 +29,17 @@ def filter_probs(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
 ) -> torch.Tensor:
-    """Probabilities after temperature, top-k (k <= 0: off), top-p and min-p,
+    """Probabilities after temperature, top-k (k <= 0: off), top-p (>= 1: off) and min-p,
     renormalised. Rows may come out non-finite; the caller checks."""
     probs = tempered_probs(logits, temperature)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # stable: equal probabilities in token order, so a filter's cut through
+    # a tie keeps the same tokens on every backend and every run
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     k = torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
     keep = rank < k
-    keep &= (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
+    # top-p at 1 keeps every token: the running sum may pass 1 by rounding
+    keep &= ((sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]) | (top_p[:, None] >= 1)
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     keep[:, 0] = True  # the most likely token always survives
     kept = torch.where(keep, sorted_p, 0.0)
