@@ -87,3 +87,36 @@ def test_ties_at_a_cut_keep_the_lowest_token_ids() -> None:
     assert tokens.tolist() == sample_reference(*case)[0].tolist()
     # uniform rows: top-k 5, top-p 0.01 (30 of 3000), top-k 100; tied maxima: top-k 3
     assert tokens[0] < 5 and tokens[1] < 30 and tokens[2] < 100 and tokens[3] in (0, 7, 14)
+
+
+def test_a_rows_draw_is_the_same_whatever_shares_its_batch() -> None:
+    # with two threads torch splits one long row's sum across them and rounds
+    # it otherwise than inside a batch of rows: a race renormalised by that
+    # sum drew 48112 here in a batch of two and 16188 alone
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(121)
+        logits = torch.randn(2, 50000, generator=gen) * 2
+        noise = torch.rand(2, 50000, generator=gen)
+        noise[0, 48112] = 0.9995744228363037
+        params = (torch.ones(2), torch.tensor([0, 50]), torch.ones(2), torch.zeros(2))
+        for draw in (sample_candidates, sample_reference):
+            together = draw(logits, *params, noise)[0].tolist()
+            alone = [
+                draw(logits[r : r + 1], *(p[r : r + 1] for p in params), noise[r : r + 1])[0].item()
+                for r in range(2)
+            ]
+            assert together == alone, draw.__name__
+        assert sample_candidates(logits, *params, noise)[0].tolist() == together
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_half_precision_noise_draws_as_float32() -> None:
+    logits = torch.tensor([[0.0, -200.0, -300.0]])
+    noise = torch.full((1, 3), 0.999, dtype=torch.bfloat16)
+    params = (torch.ones(1), torch.tensor([2]), torch.ones(1), torch.zeros(1))
+    want = sample_reference(logits, *params, noise.float())[0]
+    assert sample_candidates(logits, *params, noise)[0].tolist() == want.tolist()
+    assert sample_reference(logits, *params, noise)[0].tolist() == want.tolist()

@@ -1,4 +1,4 @@
-"""The tensors one forward pass needs, built once per pass from plain lists.
+"""The tensors one forward pass needs, built once per pass from its rows' slots.
 
 A `ForwardBatch` describes B sequences that each extend their context by some
 new tokens (a decode step is an extension by one). The new tokens of all

@@ -3,9 +3,9 @@
 What is torch and what is kernel: the tempered softmax and the descending
 sort run as torch ops, the very calls the reference makes, so the ordering
 (ties included) is the reference's own. One Triton program per row then does
-the rest over the sorted row: top-k / top-p / min-p filter, renormalisation,
-the exponential race against the row's noise, the NaN/inf check and the
-argmax fallback over the raw logits.
+the rest over the sorted row: top-k / top-p / min-p filter, the exponential
+race of the kept probabilities (unnormalised, as the reference's) against the
+row's noise, the NaN/inf check and the argmax fallback over the raw logits.
 """
 
 from __future__ import annotations
@@ -71,15 +71,14 @@ def _race(
     p_row,
     order_row,
     noise_row,
-    total,
     top_k,
     top_p,
     threshold,
     VOCAB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Token winning the exponential race argmax(p / total / -log(u)) among
-    the kept ones; noise is read only for kept tokens."""
+    """Token winning the exponential race argmax(p / -log(u)) among the kept
+    ones, unnormalised as the reference's; noise is read only for kept tokens."""
     best = -1.0
     best_tok = tl.zeros([], tl.int64) + VOCAB
     carry = 0.0
@@ -92,7 +91,7 @@ def _race(
         tok = tl.load(order_row + rank, mask=keep, other=VOCAB)
         u = tl.load(noise_row + tok, mask=keep, other=0.5)
         u = tl.minimum(tl.maximum(u, U_MIN), U_MAX)
-        race = tl.where(keep, (p / total) / -tl.log(u), -1.0)
+        race = tl.where(keep, p / -tl.log(u), -1.0)
         blk_best = tl.max(race, 0)
         # Among equal draws the lowest token id wins, as in the reference's argmax.
         blk_tok = tl.min(tl.where(keep & (race == blk_best), tok, VOCAB), 0)
@@ -130,11 +129,11 @@ def _sample_kernel(
     tp = tl.where(tp >= 1.0, float("inf"), tp)  # top-p at 1 keeps all, whatever the rounding
     threshold = tl.load(min_p + row).to(tl.float32) * tl.load(p_row)
     total = _kept_mass(p_row, k, tp, threshold, VOCAB, BLOCK)
-    # Kept probabilities are finite and non-negative unless the row is NaN, so
-    # a finite, positive total means every renormalised probability is finite.
+    # Kept probabilities are finite and non-negative unless the row is NaN,
+    # and the first is positive: a finite, positive total is a sound row.
     bad = (total != total) | (total == float("inf")) | (total == 0.0)
     order_row, noise_row = order + row * stride_o, noise + row * stride_n
-    drawn = _race(p_row, order_row, noise_row, total, k, tp, threshold, VOCAB, BLOCK)
+    drawn = _race(p_row, order_row, noise_row, k, tp, threshold, VOCAB, BLOCK)
     greedy = _greedy(logits, row, stride_l, VOCAB, BLOCK)
     use_greedy = (temp <= 0) | bad
     tl.store(tokens + row, tl.where(use_greedy, greedy, drawn).to(tl.int64))

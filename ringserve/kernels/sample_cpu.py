@@ -5,13 +5,12 @@ The filters keep a prefix of each row's tokens in descending probability
 (top-k, top-p and min-p each cut that order once), so only the head of the
 order is needed: the most probable `first` tokens (`topk`, then ordered as
 the reference's stable sort orders them), widened eightfold while a row's
-kept tokens may reach past them (all kept, or the least kept one tied with
-the first left out). A row that filters nothing races over its whole
-vocabulary unsorted. The kept probabilities, their renormalising sum (over
-the row as the reference lays it out) and the race are the reference's own
-operations on the same floats, so the same tokens come out, ties included.
-Sorting a row of Llama 3's 128K tokens on one core took 11 ms: 32 sampled
-rows cost a decode pass 650 ms.
+kept tokens may reach past them (while its least kept token is no more
+probable than the head's last). A row that filters nothing races over its
+whole vocabulary unsorted. The kept probabilities and the race are the
+reference's own operations on the same floats, so the same tokens come out,
+ties included. Sorting a row of Llama 3's 128K tokens on one core took
+11 ms: 32 sampled rows cost a decode pass 650 ms.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def sample_candidates(
     first: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `sample_reference`."""
-    logits = logits.float()
+    logits, noise = logits.float(), noise.float()
     vocab = logits.shape[-1]
     probs = tempered_probs(logits, temperature)
     # softmax rows are all finite or all NaN; a sum is finite exactly when
@@ -46,8 +45,7 @@ def sample_candidates(
     whole = drawn & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1) & (min_p <= 0)
     if bool(whole.any()):
         rows = whole.nonzero()[:, 0]
-        kept = probs[rows]
-        tokens[rows] = _race(kept / kept.sum(-1, keepdim=True), noise[rows])
+        tokens[rows] = _race(probs[rows], noise[rows])
     rows, width = (drawn & ~whole).nonzero()[:, 0], min(first, vocab)
     while rows.numel():
         vals, order = _head(probs[rows], width)
@@ -58,7 +56,7 @@ def sample_candidates(
         ends = (least > vals[:, -1]) | (width == vocab)
         if bool(ends.any()):
             done = rows[ends]
-            tokens[done] = _race_kept(vals[ends], order[ends], keep[ends], noise[done], vocab)
+            tokens[done] = _race_kept(vals[ends], order[ends], keep[ends], noise[done])
         rows, width = rows[~ends], min(8 * width, vocab)
     return tokens, bad & (temperature > 0)
 
@@ -86,17 +84,14 @@ def _kept(
 
 
 def _race_kept(
-    vals: torch.Tensor, order: torch.Tensor, keep: torch.Tensor, noise: torch.Tensor, vocab: int
+    vals: torch.Tensor, order: torch.Tensor, keep: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
-    """The exponential race among each row's kept tokens, renormalised by
-    the sum the reference takes: over the whole row, zeros elsewhere."""
-    kept = torch.where(keep, vals, 0.0)
-    total = kept.new_zeros(kept.shape[0], vocab).scatter_(-1, order, kept).sum(-1, keepdim=True)
+    """The exponential race among each row's kept tokens (of ids `order`)."""
     u = noise.gather(-1, order).clamp(min=NOISE_MIN, max=NOISE_MAX)
-    race = torch.where(keep, (kept / total) / -torch.log(u), -1.0)
+    race = torch.where(keep, vals / -torch.log(u), -1.0)
     best = race.max(-1, keepdim=True).values
     # among equal draws the lowest token id wins, as the reference's argmax over ids
-    return torch.where(keep & (race == best), order, vocab).min(-1).values
+    return torch.where(keep & (race == best), order, order.new_tensor(2**62)).min(-1).values
 
 
 def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

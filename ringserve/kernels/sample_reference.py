@@ -3,7 +3,11 @@
 Randomness enters only through `noise`, a tensor of uniforms in (0, 1) of the
 logits' shape, so every backend given the same noise picks the same tokens.
 A token is drawn by the exponential race: argmax(p / -log(u)), which samples
-exactly from p. Rows with temperature 0 are greedy.
+exactly from p. The kept probabilities race as they are, not renormalised:
+dividing them all by their sum changes no argmax but its rounding, and how a
+sum rounds depends on how the rows are batched (torch splits a long row's
+sum across threads), so a row's draw would depend on what shares its pass.
+Rows with temperature 0 are greedy.
 """
 
 from __future__ import annotations
@@ -22,15 +26,15 @@ def tempered_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
     return torch.softmax(logits / temp, dim=-1)
 
 
-def filter_probs(
+def kept_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
 ) -> torch.Tensor:
-    """Probabilities after temperature, top-k (k <= 0: off), top-p (>= 1: off) and min-p,
-    renormalised. Rows may come out non-finite; the caller checks."""
+    """Probabilities after temperature, with what top-k (k <= 0: off), top-p
+    (>= 1: off) and min-p drop set to 0; not renormalised."""
     probs = tempered_probs(logits, temperature)
     # stable: equal probabilities in token order, so a filter's cut through
     # a tie keeps the same tokens on every backend and every run
@@ -43,8 +47,23 @@ def filter_probs(
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     keep[:, 0] = True  # the most likely token always survives
     kept = torch.where(keep, sorted_p, 0.0)
-    filtered = torch.zeros_like(probs).scatter_(-1, order, kept)
-    return filtered / filtered.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def filter_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """`kept_probs` renormalised, each row by its own sum (summed alone, so
+    the same whatever rows share the batch). Rows may come out non-finite;
+    the caller checks."""
+    kept = kept_probs(logits, temperature, top_k, top_p, min_p)
+    if kept.shape[0] == 0:
+        return kept
+    return kept / torch.stack([row.sum() for row in kept])[:, None]
 
 
 def sample_reference(
@@ -55,13 +74,14 @@ def sample_reference(
     min_p: torch.Tensor,
     noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (tokens [S] int64, fallback [S] bool). A row whose filtered
+    """Returns (tokens [S] int64, fallback [S] bool). A row whose
     probabilities hold NaN or inf falls back to argmax over its logits with
     NaN replaced by -inf, and is flagged rather than raised."""
-    logits = logits.float()
-    probs = filter_probs(logits, temperature, top_k, top_p, min_p)
-    bad = ~torch.isfinite(probs).all(-1)
-    race = probs / -torch.log(noise.clamp(min=NOISE_MIN, max=NOISE_MAX))
+    logits, noise = logits.float(), noise.float()
+    kept = kept_probs(logits, temperature, top_k, top_p, min_p)
+    # kept probabilities are finite and at most 1 unless the row is NaN
+    bad = ~torch.isfinite(kept.sum(-1))
+    race = kept / -torch.log(noise.clamp(min=NOISE_MIN, max=NOISE_MAX))
     sampled = torch.nan_to_num(race, nan=-1.0).argmax(-1)
     greedy = torch.nan_to_num(logits, nan=float("-inf")).argmax(-1)
     use_greedy = (temperature <= 0) | bad
