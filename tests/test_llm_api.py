@@ -220,6 +220,40 @@ def test_ctrl_c_in_generate_aborts_its_requests(llm):
     assert time.monotonic() - began < 5
 
 
+class _InterruptedOnce:
+    """A ring's loop whose next `call_soon_threadsafe` from the caller's
+    thread schedules its callback and then raises KeyboardInterrupt, as a
+    Ctrl-C landing right after the work was handed to the loop would."""
+
+    def __init__(self, loop) -> None:
+        self._loop, self._caller = loop, threading.get_ident()
+
+    def __getattr__(self, name):
+        return getattr(self._loop, name)
+
+    def call_soon_threadsafe(self, *args, **kwargs):
+        handle = self._loop.call_soon_threadsafe(*args, **kwargs)
+        if threading.get_ident() == self._caller and self._caller is not None:
+            self._caller = None
+            raise KeyboardInterrupt
+        return handle
+
+
+def test_ctrl_c_just_after_the_work_is_handed_over_cancels_it(llm):
+    ring = llm._ring
+    ring.loop = _InterruptedOnce(ring.loop)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _long_work(llm)
+    finally:
+        ring.loop = ring.loop._loop
+    time.sleep(1.0)  # the loop has had its time to start what it was handed
+    assert ring.conductor.scheduler.idle, "work handed over as the caller was interrupted runs on"
+    began = time.monotonic()
+    assert llm.generate(["after"], GREEDY, use_tqdm=False)[0].token_ids
+    assert time.monotonic() - began < 10, "a later generate waited behind the interrupted work"
+
+
 def test_close_from_another_thread_ends_a_generate():
     llm = LLM(max_batch=8)
     errors: list[BaseException] = []

@@ -140,10 +140,12 @@ class LocalRing:
         each output as its request finishes."""
         if self._closed or not self._thread.is_alive():
             raise RuntimeError(self._stopped())
-        future = asyncio.run_coroutine_threadsafe(
-            self._generate(prompts, params, on_done), self.loop
-        )
+        # made here, before the loop is asked to start the work, so a Ctrl-C
+        # at any point after (run_coroutine_threadsafe's own lines included)
+        # cancels it: a work the caller never got a handle to ran on
+        future: concurrent.futures.Future[list[RequestOutput]] = concurrent.futures.Future()
         try:
+            self.loop.call_soon_threadsafe(self._start, future, prompts, params, on_done)
             while True:  # a wait the caller's Ctrl-C can interrupt, and a close end
                 try:
                     return future.result(timeout=0.5)
@@ -155,6 +157,38 @@ class LocalRing:
         except BaseException:  # KeyboardInterrupt too: the requests are aborted
             future.cancel()
             raise
+
+    def _start(
+        self,
+        future: concurrent.futures.Future[list[RequestOutput]],
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_done: Callable[[RequestOutput], None] | None,
+    ) -> None:
+        """Loop thread: run `_generate` for `future`, unless the caller has
+        already cancelled it; a later cancel cancels the work. The future
+        stays pending while the work runs, so the caller can cancel it."""
+        if future.cancelled():
+            return
+        task = self.loop.create_task(self._generate(prompts, params, on_done))
+
+        def settle(done: asyncio.Task[list[RequestOutput]]) -> None:
+            try:
+                if done.cancelled():
+                    future.cancel()
+                elif done.exception() is not None:
+                    future.set_exception(done.exception())
+                else:
+                    future.set_result(done.result())
+            except concurrent.futures.InvalidStateError:  # the caller cancelled it first
+                pass
+
+        def cancel(f: concurrent.futures.Future[list[RequestOutput]]) -> None:
+            if f.cancelled() and not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(task.cancel)
+
+        task.add_done_callback(settle)
+        future.add_done_callback(cancel)
 
     def _stopped(self) -> str:
         if self._closed:
