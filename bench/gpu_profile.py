@@ -29,6 +29,8 @@ from gpu_check import MODELS, backend, build_random_model, cuda_ms, scattered_ro
 from ringserve import LLM  # noqa: E402
 from ringserve.engine.sampler import Sampler  # noqa: E402
 from ringserve.kernels.batch import ForwardBatch  # noqa: E402
+from ringserve.kernels.sample import sample as triton_sample  # noqa: E402
+from ringserve.kernels.sample_cpu import sample_candidates  # noqa: E402
 from ringserve.models.decode_graphs import DecodeGraphs  # noqa: E402
 from ringserve.ring.messages import SamplingSpec  # noqa: E402
 
@@ -95,6 +97,18 @@ def forward_profile(args: argparse.Namespace) -> None:
     print(f"sampling {args.batch} rows of {cfg.vocab_size}: greedy "
           f"{wall_us(lambda: sampler(0, logits, greedy, pos), 20):.0f} us, top-p "
           f"{wall_us(lambda: sampler(0, logits, spec, pos), 5):.0f} us")  # fmt: skip
+    # the CPU's head-of-order sampling is plain torch: on the GPU beside the
+    # whole-row sort and the Triton kernel, on the same noise
+    n, dev = logits.shape[0], logits.device
+    params = (torch.full((n,), 0.8, device=dev), torch.zeros(n, dtype=torch.int64, device=dev),
+              torch.full((n,), 0.9, device=dev), torch.zeros(n, device=dev))  # fmt: skip
+    noise = torch.rand(logits.shape, device=dev)
+    same = torch.equal(triton_sample(logits, *params, noise)[0],
+                       sample_candidates(logits, *params, noise)[0])  # fmt: skip
+    print(f"top-p kernels alone: sort + Triton "
+          f"{wall_us(lambda: triton_sample(logits, *params, noise), 20):.0f} us, head of each "
+          f"row {wall_us(lambda: sample_candidates(logits, *params, noise), 20):.0f} us "
+          f"(same tokens: {same})")  # fmt: skip
 
 
 def engine_profile(args: argparse.Namespace) -> None:
