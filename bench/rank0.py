@@ -29,6 +29,7 @@ import time
 
 from ringserve import LLM, SamplingParams
 from ringserve.engine.replica import Row
+from ringserve.engine.slot_row import SlotRow
 
 PARTS = {  # a function's file -> the part of rank 0 it belongs to
     "sched/": "scheduling",
@@ -76,7 +77,7 @@ class TimedStage:
         began = time.perf_counter()
         out = self.compute_inner(decision, rows, hidden, masks)
         self.times.append(time.perf_counter() - began)
-        self.calls.append((decision, [Row(r.sampling, r.slots[:]) for r in rows]))
+        self.calls.append((decision, [Row(r.sampling, SlotRow(r.slots.array())) for r in rows]))
         return out
 
 

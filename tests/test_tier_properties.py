@@ -47,13 +47,13 @@ class SimRank:
             for h, s in zip(c.src, c.dst, strict=True):
                 self.device[s] = self.host.get(h, ())
         for e, row in zip(d.entries, rows, strict=True):
-            tokens = history[e.req_id]
+            tokens, slots = history[e.req_id], row.slots.tolist()
             assert tokens[e.start : e.start + len(e.tokens)] == e.tokens
             for j in range(e.start):
-                got = self.device.get(row.slots[j])
+                got = self.device.get(slots[j])
                 assert got == tuple(tokens[: j + 1]), f"pass {d.pass_id} reads stale KV at {j}"
             for j in range(e.start, e.start + len(e.tokens)):
-                self.device[row.slots[j]] = tuple(tokens[: j + 1])
+                self.device[slots[j]] = tuple(tokens[: j + 1])
 
 
 class TierTraffic(RuleBasedStateMachine):
