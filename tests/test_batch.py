@@ -1,4 +1,5 @@
-"""ForwardBatch: the decode fast path builds exactly the general tensors."""
+"""ForwardBatch: the decode fast path builds exactly the general tensors, and
+rows of slots as arrays build exactly what lists do."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import random
 
 import torch
 
+from ringserve.engine.slot_row import SlotRow
 from ringserve.kernels.batch import ForwardBatch, packed_copy
 
 FIELDS = [f for f in ForwardBatch.__slots__]
@@ -27,12 +29,29 @@ def test_decode_batch_equals_the_general_build() -> None:
             torch.tensor(sample),
             torch.device("cpu"),
         )
-        for name in FIELDS:
-            a, b = getattr(fast, name), getattr(general, name)
-            if isinstance(a, torch.Tensor):
-                assert a.dtype == b.dtype and torch.equal(a, b), name
-            else:
-                assert a == b, name
+        assert_same_batch(fast, general)
+
+
+def assert_same_batch(got: ForwardBatch, want: ForwardBatch) -> None:
+    for name in FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        else:
+            assert a == b, name
+
+
+def test_a_batch_from_slot_rows_is_the_batch_from_lists() -> None:
+    rng = random.Random(5)
+    for _ in range(30):
+        lens = [rng.randrange(1, 300) for _ in range(rng.randrange(1, 9))]
+        rows = [rng.sample(range(1, 5000), n) for n in lens]
+        decode = rng.random() < 0.5
+        extend = [1 if decode else rng.randrange(1, n + 1) for n in lens]
+        sample = [rng.random() < 0.7 for _ in lens]
+        arrays = [SlotRow(r).array() for r in rows]
+        want = ForwardBatch.build(rows, extend, sample)
+        assert_same_batch(ForwardBatch.build(arrays, extend, sample), want)
 
 
 def test_a_packed_copy_gives_every_tensor_back_as_it_was() -> None:
