@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ringserve.kernels import ops
 from ringserve.kernels.sample_cpu import sample_candidates
-from ringserve.kernels.sample_reference import filter_probs, sample_reference
+from ringserve.kernels.sample_reference import kept_probs, sample_reference
 
 
 @st.composite
@@ -55,7 +55,7 @@ def test_flat_rows_widen_until_their_kept_tokens_end() -> None:
     params = (torch.full((6,), 1.0), torch.zeros(6, dtype=torch.int64), torch.full((6,), 0.9))
     noise = torch.rand(6, 20000, generator=gen)
     case = (logits, *params, torch.zeros(6), noise)
-    assert filter_probs(*case[:5]).gt(0).sum(-1).min() > 1000
+    assert kept_probs(*case[:5]).gt(0).sum(-1).min() > 1000
     assert sample_candidates(*case)[0].tolist() == sample_reference(*case)[0].tolist()
     assert ops.sample(*case)[0].tolist() == sample_reference(*case)[0].tolist()
 
@@ -65,7 +65,7 @@ def test_top_p_of_one_keeps_every_token() -> None:
     # last tokens, which `excl < top_p` alone would drop
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(4, 50000, generator=gen)
-    probs = filter_probs(
+    probs = kept_probs(
         logits, torch.ones(4), torch.zeros(4, dtype=torch.int64), torch.ones(4), torch.zeros(4)
     )
     assert bool(probs.gt(0).all())

@@ -12,7 +12,6 @@ import torch
 from ringserve.engine import logits as processing
 from ringserve.engine.grammar import apply_masks
 from ringserve.kernels import ops
-from ringserve.kernels.sample_reference import filter_probs
 from ringserve.ring.messages import Output, SamplingSpec, TopLogprobs
 
 _MIX = 0x9E3779B97F4A7C15
@@ -67,19 +66,6 @@ class Sampler:
         if all(s.temperature == 0 or s.top_k == 1 for s in specs):
             return self._greedy(logits)
         return self._sample(logits, specs, positions)
-
-    @staticmethod
-    def probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-        """The distribution each row's draw samples from (after temperature,
-        top-k, top-p and min-p); rows may be non-finite where a draw falls back."""
-        dev = logits.device
-        return filter_probs(
-            logits.float(),
-            torch.tensor([s.temperature for s in specs], device=dev),
-            torch.tensor([s.top_k for s in specs], device=dev),
-            torch.tensor([s.top_p for s in specs], device=dev),
-            torch.tensor([s.min_p for s in specs], device=dev),
-        )
 
     @staticmethod
     def noise(

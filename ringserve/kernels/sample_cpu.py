@@ -74,7 +74,7 @@ def _kept(
     vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab: int
 ) -> torch.Tensor:
     """Which of each row's most probable tokens (`vals`, descending) the
-    filters keep: `filter_probs`' conditions on the same floats."""
+    filters keep: `kept_probs`' conditions on the same floats."""
     rank = torch.arange(vals.shape[-1], device=vals.device)[None, :]
     keep = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
     keep &= ((vals.cumsum(-1) - vals) < top_p[:, None]) | (top_p[:, None] >= 1)

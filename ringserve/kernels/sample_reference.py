@@ -50,22 +50,6 @@ def kept_probs(
     return torch.zeros_like(probs).scatter_(-1, order, kept)
 
 
-def filter_probs(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> torch.Tensor:
-    """`kept_probs` renormalised, each row by its own sum (summed alone, so
-    the same whatever rows share the batch). Rows may come out non-finite;
-    the caller checks."""
-    kept = kept_probs(logits, temperature, top_k, top_p, min_p)
-    if kept.shape[0] == 0:
-        return kept
-    return kept / torch.stack([row.sum() for row in kept])[:, None]
-
-
 def sample_reference(
     logits: torch.Tensor,
     temperature: torch.Tensor,
