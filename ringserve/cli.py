@@ -348,10 +348,11 @@ def _sized_for_node(
     serving while its launcher runs."""
     from ringserve.launch.exchange import RingExchange
     from ringserve.logs import say
-    from ringserve.plan.sizing import placement, resolve_device, size_ring
+    from ringserve.plan.sizing import check_fits_here, placement, resolve_device, size_ring
 
     if node.nnodes == 1:
         config, plan = size_ring(config, node.world, budgets)
+        check_fits_here(config, plan)
         if plan is not None:
             say("memory plan\n" + plan.table())
         say(_devices(placement(config.device, node.world)))

@@ -15,7 +15,7 @@ from ringserve.launch.progress import GenerateBar
 from ringserve.models.builtin import builtin_model_dir
 from ringserve.models.hub import resolve_model
 from ringserve.params import MAX_SEED, RequestOutput, SamplingParams, is_int
-from ringserve.plan.sizing import size_ring
+from ringserve.plan.sizing import check_fits_here, size_ring
 
 Prompt = str | Sequence[int]
 Conversation = list[dict[str, Any]]
@@ -77,6 +77,7 @@ class LLM:
                 model_dir=model_dir, dtype=dtype, layer_split=split, **engine_options
             )
             self.config, self.plan = size_ring(config, pp_size, rank_memory_mib)
+            check_fits_here(self.config, self.plan)
             self._ring = LocalRing(self.config, pp_size, log_dir=log_dir)
             self.tokenizer = self._ring.conductor.tokenizer
         except BaseException:

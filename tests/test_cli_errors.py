@@ -76,6 +76,10 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 ["launch", "--pp", "2", "--rank-memory-mib", "10,10"],
                 "rank 1 cannot hold its slice",
             ),
+            "budgets past this machine's memory": (
+                ["launch", "--pp", "2", "--rank-memory-mib", "8000000,8000000", "--device", "cpu"],
+                "of this machine's memory",
+            ),
             "unknown family": (
                 [
                     "plan",

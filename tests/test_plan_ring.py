@@ -44,6 +44,13 @@ def test_a_budget_that_cannot_hold_its_slice_is_refused_before_any_rank_starts(t
         LLM(path, pp_size=3, rank_memory_mib=[900, 300, 1])
 
 
+def test_budgets_past_this_machines_memory_are_refused_before_any_rank_starts(tmp_path):
+    # on the CPU the ranks' budgets are this machine's RAM: 2 x 8 TiB is more than any has
+    path = model_factory.llama_deep(tmp_path)
+    with pytest.raises(PlanError, match="of this machine's memory"):
+        LLM(path, pp_size=2, rank_memory_mib=[8_000_000, 8_000_000], device="cpu")
+
+
 def test_without_budgets_each_rank_gets_its_default_budget_and_the_capacity_is_capped(tmp_path):
     from ringserve.config import EngineConfig
     from ringserve.plan.sizing import size_ring

@@ -18,7 +18,12 @@ import msgspec
 
 from ringserve.config import EngineConfig, layer_range
 from ringserve.http.options import HttpOptions
-from ringserve.launch.processes import EXIT_LINK_FAILED, child_command, stop_processes
+from ringserve.launch.processes import (
+    EXIT_LINK_FAILED,
+    child_command,
+    describe_exit,
+    stop_processes,
+)
 from ringserve.logs import say
 from ringserve.ring.topology import RankSpec
 
@@ -115,7 +120,7 @@ class Launcher:
             return 0
         cause = next(((r, c) for r, c in exited.items() if c not in (0, EXIT_LINK_FAILED)), None)
         rank, code = cause if cause is not None else next(iter(exited.items()))
-        why = "lost its link to a neighbour" if code == EXIT_LINK_FAILED else _describe(code)
+        why = "lost its link to a neighbour" if code == EXIT_LINK_FAILED else describe_exit(code)
         if code == EXIT_LINK_FAILED and self.node.nnodes > 1:  # no rank here says otherwise
             why += ", likely on another node: its launcher says why"
         say(f"rank {rank} exited ({why}); ending the group")
@@ -135,12 +140,6 @@ class Launcher:
 
     def stop(self, grace_s: float = 6.0) -> None:
         stop_processes(list(self.procs.values()), grace_s)
-
-
-def _describe(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
 
 
 def launch(node: NodeSpec, config: EngineConfig, http: HttpOptions, log_dir: str | None) -> int:

@@ -82,11 +82,22 @@ class RankProcesses:
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None and code not in (0, EXIT_LINK_FAILED):
-                return f"rank {rank} exited with code {code}"
+                return f"rank {rank} exited ({describe_exit(code)})"
         return None
 
     def stop(self, grace_s: float = 5.0) -> None:
         stop_processes(list(self.procs.values()), grace_s)
+
+
+def describe_exit(code: int | None) -> str:
+    """A rank process's end in words."""
+    if (
+        code == -signal.SIGKILL
+    ):  # no launcher sends it first; the kernel's out-of-memory killer does
+        return "killed by SIGKILL, likely for lack of memory"
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -146,7 +146,7 @@ def default_budgets(pp_size: int, device: str = "auto", ranks: range | None = No
     per_place = {}
     for place, ranks in sorted(Counter(places).items()):
         if place == "cpu":
-            available = _mem_available()
+            available = mem_available()
             per_place[place] = available // CPU_SHARE // ranks
             log.debug("plan.budget", device=place, available=available, ranks=ranks)
             continue
@@ -157,7 +157,7 @@ def default_budgets(pp_size: int, device: str = "auto", ranks: range | None = No
     return [Figure(per_place[place], "measured") for place in places]
 
 
-def _mem_available() -> int:
+def mem_available() -> int:
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
     except OSError as exc:

@@ -11,7 +11,7 @@ from ringserve.config import EngineConfig, device_list, rank_device, resolve_dty
 from ringserve.models.config import ModelConfig
 from ringserve.plan.draft import draft_config
 from ringserve.plan.host import solve_host, with_host
-from ringserve.plan.ledger import visible_gpus
+from ringserve.plan.ledger import GIB, PlanError, mem_available, visible_gpus
 from ringserve.plan.solve import Objective, Plan, plan
 
 log = structlog.get_logger(__name__)
@@ -95,6 +95,30 @@ def resolve_device(device: str, pp_size: int) -> str:
         if index and int(index) >= count:
             raise ValueError(f"device {part} is not there: torch sees {count} GPU(s)")
     return device
+
+
+def check_fits_here(config: EngineConfig, plan: Plan | None) -> None:
+    """Refuse, before any rank starts, a plan whose ranks on this machine's
+    CPU need more of its memory than is available (budgets written for
+    GPUs, say): the kernel would kill a rank for it mid-boot, and the
+    launcher could only say the rank was killed. Host KV tiers count too,
+    on any device. For a ring on this machine alone (several nodes each
+    hold only their own ranks)."""
+    if plan is None:
+        return
+    places = placement(config.device, len(plan.ledger))
+    need = sum(row.needs for row, place in zip(plan.ledger, places, strict=True) if place == "cpu")
+    need += sum(row.host.bytes for row in plan.ledger if row.host is not None)
+    if not need:
+        return
+    available = mem_available()
+    if need > available:
+        raise PlanError(
+            f"the plan needs {need / GIB:.1f} GiB of this machine's memory (weights, KV pools "
+            f"and activations of its ranks on the CPU, and host KV tiers) but "
+            f"{available / GIB:.1f} GiB is available: a rank would be killed for memory; "
+            "give smaller --rank-memory-mib budgets (or none: then they are measured)"
+        )
 
 
 def placement(device: str, pp_size: int) -> list[str]:
