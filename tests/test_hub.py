@@ -45,6 +45,11 @@ def test_a_model_neither_here_nor_cached_is_a_user_error(hf_home, tmp_path):
         resolve_model(str(tmp_path / "missing"))
     with pytest.raises(UserError, match="no config.json"):
         resolve_model(str(tmp_path))
+    (tmp_path / "README.md").write_text("a file, named as a Hub id could be")
+    with pytest.raises(UserError, match="is a file: give the directory"):
+        resolve_model(str(tmp_path / "README.md"))
+    with pytest.raises(UserError, match="is a file"):  # relative, as typed in a checkout
+        resolve_model(os.path.relpath(tmp_path / "README.md"))
     with pytest.raises(UserError, match="--revision"):
         resolve_model(str(tmp_path), revision="main")
 

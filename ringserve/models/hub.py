@@ -52,6 +52,11 @@ def resolve_model(
             raise UserError(f"--revision {revision} applies to a Hub model id, not to {path}/")
         return _checked(path, str(model))
     text = str(model)
+    if path.is_file():
+        raise UserError(
+            f"model {text!r} is a file: give the directory that holds the model's config.json "
+            "and weights, or a Hugging Face model id"
+        )
     if not _REPO_ID.match(text) or text.startswith((".", "/", "~")):
         raise UserError(f"model {text!r}: no such directory, and not a Hugging Face model id")
     return _checked(_download(text, revision, cache_dir, local_files_only), text)
