@@ -155,7 +155,7 @@ class LLM:
                 for sp in params
             ]
         flat_params = [c for sp in params for c in _choices(sp)]
-        bar = GenerateBar(len(flat_ids), use_tqdm)
+        bar = GenerateBar([sp.n for sp in params], use_tqdm)
         try:
             outputs = self._ring.generate(flat_ids, flat_params, bar.done)
         finally:

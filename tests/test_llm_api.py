@@ -6,6 +6,7 @@ a generate, stop strings after min_tokens, and one ring per process."""
 from __future__ import annotations
 
 import _thread
+import io
 import math
 import subprocess
 import sys
@@ -185,6 +186,21 @@ def test_use_tqdm_may_be_the_bars_factory(llm):
 
     llm.generate(["a", "b"], GREEDY, use_tqdm=factory)
     assert len(made) == 1 and made[0]["total"] == 2
+
+
+def test_the_bar_counts_prompts_whatever_their_choices(llm):
+    bars: list[tqdm] = []
+
+    def factory(**options: object) -> tqdm:
+        bars.append(tqdm(**options, file=io.StringIO()))
+        return bars[-1]
+
+    two = SamplingParams(n=2, max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)
+    three = SamplingParams(n=3, max_tokens=2, temperature=0.8, seed=2, ignore_eos=True)
+    outs = llm.generate(["a", "b", "c"], [two, GREEDY, three], use_tqdm=factory)
+    assert [len(o.outputs) for o in outs] == [2, 1, 3]
+    (bar,) = bars
+    assert bar.total == 3 and bar.n == 3  # prompts, as vLLM's bar; not the six requests
 
 
 def test_stop_strings_count_from_min_tokens_on(llm):

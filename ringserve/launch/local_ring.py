@@ -134,10 +134,10 @@ class LocalRing:
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
-        on_done: Callable[[RequestOutput], None] | None = None,
+        on_done: Callable[[int, RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """`on_done`, when given, is called (on rank 0's loop thread) with
-        each output as its request finishes."""
+        each request's index among `prompts` and its output as it finishes."""
         if self._closed or not self._thread.is_alive():
             raise RuntimeError(self._stopped())
         # made here, before the loop is asked to start the work, so a Ctrl-C
@@ -163,7 +163,7 @@ class LocalRing:
         future: concurrent.futures.Future[list[RequestOutput]],
         prompts: list[list[int]],
         params: list[SamplingParams],
-        on_done: Callable[[RequestOutput], None] | None,
+        on_done: Callable[[int, RequestOutput], None] | None,
     ) -> None:
         """Loop thread: run `_generate` for `future`, unless the caller has
         already cancelled it; a later cancel cancels the work. The future
@@ -199,7 +199,7 @@ class LocalRing:
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
-        on_done: Callable[[RequestOutput], None] | None,
+        on_done: Callable[[int, RequestOutput], None] | None,
     ) -> list[RequestOutput]:
         """Submit every prompt, waiting for a request to finish whenever the
         queue is at its bound (the offline caller is not refused)."""
@@ -218,7 +218,7 @@ class LocalRing:
                 handles.append(handle)
                 results.append(asyncio.ensure_future(handle.result()))
                 if on_done is not None:
-                    results[-1].add_done_callback(_reporting(on_done))
+                    results[-1].add_done_callback(_reporting(on_done, len(results) - 1))
             return list(await asyncio.gather(*results))
         except BaseException:
             for h in handles:
@@ -240,11 +240,13 @@ class LocalRing:
             close_group()
 
 
-def _reporting(on_done: Callable[[RequestOutput], None]) -> Callable[[asyncio.Task], None]:
-    """A done-callback handing a request's output, if it has one, to `on_done`."""
+def _reporting(
+    on_done: Callable[[int, RequestOutput], None], index: int
+) -> Callable[[asyncio.Task], None]:
+    """A done-callback handing request `index`'s output, if it has one, to `on_done`."""
 
     def report(task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is None:
-            on_done(task.result())
+            on_done(index, task.result())
 
     return report

@@ -39,20 +39,25 @@ class LoadProgress:
 
 class GenerateBar:
     """vLLM's bar over `LLM.generate`: prompts done of all, with the input
-    and output tokens per second so far. Told of each finished request.
-    `use_tqdm` turns it on or off, or is the bar's factory (a tqdm class or
-    a function taking tqdm's keywords), as vLLM's `use_tqdm` may be."""
+    and output tokens per second so far. Told of each finished request, a
+    prompt's `n` choices being requests of their own: a prompt is done with
+    its last choice. `use_tqdm` turns it on or off, or is the bar's factory
+    (a tqdm class or a function taking tqdm's keywords), as vLLM's
+    `use_tqdm` may be."""
 
-    def __init__(self, total: int, use_tqdm: bool | Callable[..., tqdm]) -> None:
+    def __init__(self, choices: list[int], use_tqdm: bool | Callable[..., tqdm]) -> None:
+        """`choices[p]`: how many requests prompt p runs as, in request order."""
         factory = use_tqdm if callable(use_tqdm) else tqdm
-        options = {"total": total, "desc": "Processed prompts", "dynamic_ncols": True}
+        options = {"total": len(choices), "desc": "Processed prompts", "dynamic_ncols": True}
         if not callable(use_tqdm):
             options["disable"] = not use_tqdm
         self.bar = factory(**options)
         self.began = time.monotonic()
         self.prompt_tokens = self.output_tokens = 0
+        self.prompt_of = [p for p, n in enumerate(choices) for _ in range(n)]
+        self.left = list(choices)
 
-    def done(self, out: RequestOutput) -> None:
+    def done(self, request: int, out: RequestOutput) -> None:
         if getattr(self.bar, "disable", False):
             return
         self.prompt_tokens += len(out.prompt_token_ids)
@@ -63,7 +68,10 @@ class GenerateBar:
             f"output: {self.output_tokens / elapsed:.2f} toks/s",
             refresh=False,
         )
-        self.bar.update(1)
+        prompt = self.prompt_of[request]
+        self.left[prompt] -= 1
+        if self.left[prompt] == 0:
+            self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
