@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import socket
 from dataclasses import fields, replace
 from pathlib import Path
@@ -495,6 +496,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _as_flags(message: str) -> str:
+    """`message` with the engine's field names (`kv_capacity_tokens`, as the
+    config and the Python API call them) written as the flags that set them
+    on this command line (`--kv-capacity-tokens`); what a JSON option says
+    of its own keys keeps their names (`--speculative-config: num_...`)."""
+    flags: dict[str, str] = {}
+    pending = [parser()]
+    while pending:
+        for action in pending.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+            elif "_" in action.dest and action.option_strings:
+                flags.setdefault(action.dest, max(action.option_strings, key=len))
+    names = re.compile(rf"(?<![-\w])({'|'.join(sorted(flags, key=len, reverse=True))})\b")
+    json_option = re.match(r"[\w-]+[-_]config: ", message)
+    at = json_option.end() if json_option else len(message)
+    return names.sub(lambda m: flags[m.group(1)], message[:at]) + message[at:]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from ringserve import logs
@@ -506,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # UserError, bad options, refused plans
         if args.debug:
             raise
-        logs.say(" ".join(str(exc).split()))
+        logs.say(_as_flags(" ".join(str(exc).split())))
         return 2
     except KeyboardInterrupt:  # Ctrl-C before a command's own handler is set (or with none)
         if args.debug:

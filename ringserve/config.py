@@ -150,12 +150,15 @@ class EngineConfig:
             object.__setattr__(self, "rank_speed", speeds)  # a list given to LLM(...) too
         if self.min_kv_tokens is not None and self.min_kv_tokens < 2:
             raise ValueError("min_kv_tokens must be >= 2")
-        if self.host_kv_tokens < 0 or (self.host_kv_mib is not None and self.host_kv_mib < 1):
-            raise ValueError("host_kv_tokens must be >= 0 and host_kv_mib >= 1")
+        if self.host_kv_tokens < 0:
+            raise ValueError(f"host_kv_tokens must be >= 0, got {self.host_kv_tokens}")
+        if self.host_kv_mib is not None and self.host_kv_mib < 1:
+            raise ValueError(f"host_kv_mib must be >= 1, got {self.host_kv_mib}")
         if self.kv_capacity_tokens < 2:
-            raise ValueError("kv_capacity_tokens must be >= 2")
-        if self.wedge_timeout_s <= 0 or self.heartbeat_s <= 0:
-            raise ValueError("wedge_timeout_s and heartbeat_s must be > 0")
+            raise ValueError(f"kv_capacity_tokens must be >= 2, got {self.kv_capacity_tokens}")
+        for name in ("wedge_timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be >= 1")
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:

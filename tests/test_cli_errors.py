@@ -76,6 +76,14 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 ["launch", "--pp", "2", "--rank-memory-mib", "10,10"],
                 "rank 1 cannot hold its slice",
             ),
+            "a field's check names the flag": (
+                ["launch", "--kv-capacity-tokens", "0"],
+                "--kv-capacity-tokens must be >= 2, got 0",
+            ),
+            "one of two fields": (
+                ["launch", "--heartbeat-s", "0"],
+                "--heartbeat-s must be > 0, got 0.0",
+            ),
             "budgets past this machine's memory": (
                 ["launch", "--pp", "2", "--rank-memory-mib", "8000000,8000000", "--device", "cpu"],
                 "of this machine's memory",
@@ -100,11 +108,11 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
             ),
             "infinite rank speed": (
                 ["plan", "--pp", "2", "--rank-memory-mib", "900,900", "--rank-speed", "inf,1"],
-                "rank_speed must be positive finite factors",
+                "--rank-speed must be positive finite factors",
             ),
             "a draft model without draft speculation": (
                 ["plan", "--draft-model", str(builtin_model_dir())],
-                "draft_model is used only with speculative 'draft'",
+                "--draft-model is used only with speculative 'draft' (--speculative draft)",
             ),
             "a draft of another vocabulary": (
                 [
@@ -127,14 +135,14 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 "3 devices given for 2 ranks",
             ),
             "port out of range": (["launch", "--port", "99999"], "--port 99999 is not a TCP port"),
-            "empty chunk": (["launch", "--chunk-size", "0"], "chunk_size must be >= 1"),
+            "empty chunk": (["launch", "--chunk-size", "0"], "--chunk-size must be >= 1"),
             "no pass in flight": (
                 ["launch", "--passes-in-flight", "0"],
-                "passes_in_flight must be >= 1",
+                "--passes-in-flight must be >= 1",
             ),
             "context of no tokens": (
                 ["launch", "--max-model-len", "-1"],
-                "max_model_len must be >= 1",
+                "--max-model-len must be >= 1",
             ),
             "no nodes": (["launch", "--nnodes", "0"], "--nnodes 0"),
             "no ranks": (["plan", "--pp", "0"], "--pp 0"),
