@@ -47,4 +47,4 @@ def test_host_tokens_and_mib_together_are_one_clear_cli_error():
         timeout=60,
     )
     assert run.returncode != 0
-    assert "give host_kv_tokens or host_kv_mib, not both" in run.stderr.splitlines()[-1]
+    assert "give --host-kv-tokens or --host-kv-mib, not both" in run.stderr.splitlines()[-1]
