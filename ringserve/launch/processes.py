@@ -91,9 +91,9 @@ class RankProcesses:
 
 def describe_exit(code: int | None) -> str:
     """A rank process's end in words."""
-    if (
-        code == -signal.SIGKILL
-    ):  # no launcher sends it first; the kernel's out-of-memory killer does
+    # a rank is sent SIGKILL here only after it was asked to stop; the
+    # kernel's out-of-memory killer sends it unasked
+    if code == -signal.SIGKILL:
         return "killed by SIGKILL, likely for lack of memory"
     if code is not None and code < 0:
         return f"killed by {signal.Signals(-code).name}"
