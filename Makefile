@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PORT ?= 8000
 
 .PHONY: test lint serve clean
 
@@ -19,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
 
 serve: $(STAMP)
-	$(BIN)/ringserve launch --port 8000
+	$(BIN)/ringserve launch --port $(PORT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ringserve tests bench
