@@ -7,17 +7,17 @@ order is needed: the most probable `first` tokens (`topk`, then ordered as
 the reference's stable sort orders them), widened eightfold while a row's
 kept tokens may reach past them (while its least kept token is no more
 probable than the head's last). A row that filters nothing races over its
-whole vocabulary unsorted. The kept probabilities and the race are the
-reference's own operations on the same floats, so the same tokens come out,
-ties included. Sorting a row of Llama 3's 128K tokens on one core took
-11 ms: 32 sampled rows cost a decode pass 650 ms.
+whole vocabulary unsorted. The filters and the race are the reference's
+own functions (`kept_mask`, `race`) on the same floats, so the same tokens
+come out, ties included. Sorting a row of Llama 3's 128K tokens on one core
+took 11 ms: 32 sampled rows cost a decode pass 650 ms.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ringserve.kernels.sample_reference import NOISE_MAX, NOISE_MIN, tempered_probs
+from ringserve.kernels.sample_reference import kept_mask, race, tempered_probs
 
 
 def sample_candidates(
@@ -49,7 +49,7 @@ def sample_candidates(
     rows, width = (drawn & ~whole).nonzero()[:, 0], min(first, vocab)
     while rows.numel():
         vals, order = _head(probs[rows], width)
-        keep = _kept(vals, top_k[rows], top_p[rows], min_p[rows], vocab)
+        keep = kept_mask(vals, top_k[rows], top_p[rows], min_p[rows], vocab)
         # a row is decided once its least kept probability is above every
         # token outside the head: then no tie of a kept token lies outside
         least = vals.gather(-1, keep.sum(-1, keepdim=True) - 1)[:, 0]
@@ -70,33 +70,18 @@ def _head(probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals, order.gather(-1, by_p)
 
 
-def _kept(
-    vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab: int
-) -> torch.Tensor:
-    """Which of each row's most probable tokens (`vals`, descending) the
-    filters keep: `kept_probs`' conditions on the same floats."""
-    rank = torch.arange(vals.shape[-1], device=vals.device)[None, :]
-    keep = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
-    keep &= ((vals.cumsum(-1) - vals) < top_p[:, None]) | (top_p[:, None] >= 1)
-    keep &= vals >= min_p[:, None] * vals[:, :1]
-    keep[:, 0] = True
-    return keep
-
-
 def _race_kept(
     vals: torch.Tensor, order: torch.Tensor, keep: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
     """The exponential race among each row's kept tokens (of ids `order`)."""
-    u = noise.gather(-1, order).clamp(min=NOISE_MIN, max=NOISE_MAX)
-    race = torch.where(keep, vals / -torch.log(u), -1.0)
-    best = race.max(-1, keepdim=True).values
+    draws = torch.where(keep, race(vals, noise.gather(-1, order)), -1.0)
+    best = draws.max(-1, keepdim=True).values
     # among equal draws the lowest token id wins, as the reference's argmax over ids
-    return torch.where(keep & (race == best), order, order.new_tensor(2**62)).min(-1).values
+    return torch.where(keep & (draws == best), order, order.new_tensor(2**62)).min(-1).values
 
 
 def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    race = probs / -torch.log(noise.clamp(min=NOISE_MIN, max=NOISE_MAX))
-    return _first_max(torch.nan_to_num(race, nan=-1.0))
+    return _first_max(torch.nan_to_num(race(probs, noise), nan=-1.0))
 
 
 def _first_max(rows: torch.Tensor) -> torch.Tensor:

@@ -39,15 +39,33 @@ def kept_probs(
     # stable: equal probabilities in token order, so a filter's cut through
     # a tie keeps the same tokens on every backend and every run
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    k = torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
-    keep = rank < k
+    keep = kept_mask(sorted_p, top_k, top_p, min_p, probs.shape[-1])
+    kept = torch.where(keep, sorted_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def kept_mask(
+    sorted_p: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    vocab: int,
+) -> torch.Tensor:
+    """Which of each row's most probable tokens (`sorted_p`, descending: a
+    whole sorted row, or its head) the filters keep, always the first."""
+    rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)[None, :]
+    keep = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
     # top-p at 1 keeps every token: the running sum may pass 1 by rounding
     keep &= ((sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]) | (top_p[:, None] >= 1)
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     keep[:, 0] = True  # the most likely token always survives
-    kept = torch.where(keep, sorted_p, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, kept)
+    return keep
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race's entries, probs / -log(u), the uniforms clamped
+    so -log(u) is finite and positive."""
+    return probs / -torch.log(noise.clamp(min=NOISE_MIN, max=NOISE_MAX))
 
 
 def sample_reference(
@@ -65,8 +83,7 @@ def sample_reference(
     kept = kept_probs(logits, temperature, top_k, top_p, min_p)
     # kept probabilities are finite and at most 1 unless the row is NaN
     bad = ~torch.isfinite(kept.sum(-1))
-    race = kept / -torch.log(noise.clamp(min=NOISE_MIN, max=NOISE_MAX))
-    sampled = torch.nan_to_num(race, nan=-1.0).argmax(-1)
+    sampled = torch.nan_to_num(race(kept, noise), nan=-1.0).argmax(-1)
     greedy = torch.nan_to_num(logits, nan=float("-inf")).argmax(-1)
     use_greedy = (temperature <= 0) | bad
     return torch.where(use_greedy, greedy, sampled), bad & (temperature > 0)
