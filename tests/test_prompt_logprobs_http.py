@@ -63,6 +63,17 @@ async def test_echo_with_logprobs_covers_the_prompt(server: Server) -> None:
     assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
+async def test_echo_with_logprobs_zero_has_no_top_logprobs_anywhere(server: Server) -> None:
+    """`logprobs: 0` asks for each token's own logprob alone: no top
+    logprobs, for the echoed prompt as for the generated tokens."""
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=0)
+    lp = (await client(server).completions.create(**body)).choices[0].logprobs
+    assert lp.top_logprobs is None and len(lp.token_logprobs) == len(lp.tokens) > 2
+    stream = await client(server).completions.create(**body, stream=True)
+    tops = [c.logprobs.top_logprobs async for chunk in stream for c in chunk.choices if c.logprobs]
+    assert tops and all(t is None for t in tops)
+
+
 async def test_max_tokens_zero_with_echo_scores_the_prompt_alone(server: Server) -> None:
     """OpenAI's legacy scoring call: the prompt's text and logprobs, nothing
     generated, `length` reached, no completion tokens counted."""

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from ringserve.http.tools import HermesParser
+from ringserve.http.tools import HermesParser, plan_tools
 from ringserve.models.builtin import builtin_model_dir
 from tests.test_http import MODEL, Server, serving
 
@@ -214,6 +214,33 @@ async def test_tool_calls_and_results_in_the_history_reach_the_template(server: 
         model=MODEL, messages=history, tools=TOOLS, max_tokens=4, tool_choice="none"
     )
     assert done.choices[0].message.tool_calls is None
+
+
+async def test_a_strict_function_gets_no_properties_its_schema_does_not_name(
+    server: Server,
+) -> None:
+    """OpenAI's strict function calling: the arguments follow the schema with
+    every object closed, as `response_format`'s strict schemas are; an open
+    schema lets the random model write keys of its own."""
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tools = [
+        {"type": "function", "function": {"name": "add", "strict": True, "parameters": open_schema}}
+    ]
+    closed_schema = {**open_schema, "additionalProperties": False}
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice, seed in [(c, s) for c in ("required", named) for s in range(4)]:
+        done = await client(server).chat.completions.create(
+            model=MODEL, messages=ASK, tools=tools, tool_choice=choice, max_tokens=40, seed=seed
+        )
+        (call,) = done.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), closed_schema)
+    plan = plan_tools(
+        [{"type": "function", "function": {"name": "add", "parameters": open_schema}}],
+        named,
+        True,
+        None,
+    )
+    assert plan.grammar.json == open_schema  # not strict: the schema as given
 
 
 async def test_tool_choices_the_server_cannot_serve_are_refused(tool_model) -> None:

@@ -39,7 +39,8 @@ def echoed_logprobs(
     tokenizer: Tokenizer | None, prompt: list[int], judged: Judged, top: int, text: str
 ) -> CompletionLogprobs:
     """The prompt's part of an echoed choice's logprobs: each token's own
-    logprob and its position's `top` most likely (the first token: null).
+    logprob and its position's `top` most likely (the first token: null;
+    with `top` 0 no top logprobs, as for the generated tokens).
     `text`: the echoed prompt, which the offsets index (a BOS the tokenizer
     added begins where the prompt does)."""
     own: list[float | None] = [None]
@@ -52,6 +53,8 @@ def echoed_logprobs(
         tops.append(dict(best))
     starts = None if tokenizer is None else tokenizer.char_starts(text, prompt)
     lp = completion_logprobs(tokenizer, prompt, [0.0] * len(prompt), None, starts=starts)
+    if top == 0:  # as the generated tokens' own: no top logprobs at all
+        return CompletionLogprobs(lp.tokens, own, None, lp.text_offset)
     texts = [
         None if alts is None else {token_text(tokenizer, t): v for t, v in alts.items()}
         for alts in tops

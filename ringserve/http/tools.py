@@ -3,7 +3,8 @@
 `tool_choice`:
 * `none`: the tools are not offered; the answer is text.
 * a named function, or `required`: the answer is constrained by a grammar
-  (the function's `parameters` schema; for `required`, a JSON list of calls
+  (the function's `parameters` schema, closed as OpenAI's strict mode closes
+  it where the function says `strict`; for `required`, a JSON list of calls
   of the offered functions), so it always parses.
 * `auto`: the tools are rendered through the model's chat template and the
   answer is parsed by the server's tool-call parser (`--tool-call-parser`,
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 from ringserve.http.call_list import CallListReader, Piece
 from ringserve.http.errors import bad_request
 from ringserve.http.responses import ChatDelta, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
+from ringserve.http.structured import closed
 from ringserve.params import StructuredOutputsParams
 
 
@@ -142,8 +144,9 @@ def plan_tools(
 
 
 def tool_functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each function's name and parameters schema; a 400 naming the tool
-    that is not a named function."""
+    """Each function's name and parameters schema (closed to properties it
+    does not name where the function is `strict`, as OpenAI's strict mode
+    is); a 400 naming the tool that is not a named function."""
     out = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if tool.get("type", "function") == "function" else None
@@ -157,7 +160,7 @@ def tool_functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 f"tools[{i}].function.parameters must be a JSON schema object",
                 param=f"tools[{i}].function.parameters",
             )
-        out[fn["name"]] = params
+        out[fn["name"]] = closed(params) if fn.get("strict") is True else params
     return out
 
 
