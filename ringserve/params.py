@@ -271,8 +271,10 @@ def _number(name: str, value: object, low: float | None = None, high: float | No
 class CompletionOutput:
     """One choice of a prompt, as vLLM returns it: generated ids, their text
     (when the model has a tokenizer), the sampled tokens' logprobs when asked
-    (`top_logprobs`: the k most likely per position) and why generation
-    stopped (`stop`, `length`, `abort` or `error: ...`)."""
+    (`top_logprobs`: the k most likely per position), why generation
+    stopped (`stop`, `length`, `abort` or `error: ...`) and, as vLLM's
+    `stop_reason`, the stop string or stop token id that stopped it (None
+    for any other end, an EOS token's included)."""
 
     index: int
     text: str
@@ -280,6 +282,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -304,6 +307,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     cached_tokens: int = 0
+    stop_reason: str | int | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt: str | None = None
     # vLLM's shape: None for the first prompt token, then per token a dict
@@ -319,7 +323,9 @@ class RequestOutput:
         """One prompt's output from the outputs of its choices, in order."""
         first = choices[0]
         outputs = [
-            CompletionOutput(i, c.text, c.token_ids, c.finish_reason, c.logprobs, c.top_logprobs)
+            CompletionOutput(
+                i, c.text, c.token_ids, c.finish_reason, c.logprobs, c.top_logprobs, c.stop_reason
+            )
             for i, c in enumerate(choices)
         ]
         return cls(
@@ -328,6 +334,7 @@ class RequestOutput:
             token_ids=first.token_ids,
             text=first.text,
             finish_reason=first.finish_reason,
+            stop_reason=first.stop_reason,
             logprobs=first.logprobs,
             top_logprobs=first.top_logprobs,
             cached_tokens=first.cached_tokens,

@@ -260,6 +260,15 @@ async def test_stop_string_cuts_the_text(server: Server) -> None:
     _, cut = await server.post("/v1/completions", {**body, "stop": [stop, "\x00never"]})
     assert cut["choices"][0]["text"] == text[: text.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["stop_reason"] == stop  # vLLM's: which stop ended it
+    assert whole["choices"][0]["stop_reason"] is None  # its length did
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, **GREEDY}
+    _, said = await server.post("/v1/chat/completions", chat)
+    reply = said["choices"][0]["message"]["content"]
+    stop = reply[len(reply) // 2 : len(reply) // 2 + 3]
+    events = await server.events("/v1/chat/completions", {**chat, "stop": stop, "stream": True})
+    last = [c for e in events if e != "[DONE]" for c in e["choices"]][-1]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
 
 
 @pytest.mark.timeout(30)
@@ -277,11 +286,13 @@ async def test_a_stop_string_the_last_allowed_token_completes_is_a_stop(
     if stream:
         events = await server.events("/v1/completions", asked)
         pieces = [c for e in events if e != "[DONE]" for c in e["choices"]]
-        got = "".join(c["text"] for c in pieces), [c["finish_reason"] for c in pieces][-1]
+        last = pieces[-1]
+        got = "".join(c["text"] for c in pieces), last["finish_reason"], last["stop_reason"]
     else:
         _, cut = await server.post("/v1/completions", asked)
-        got = cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]
-    assert got == (text[: -len(stop)], "stop")
+        choice = cut["choices"][0]
+        got = choice["text"], choice["finish_reason"], choice["stop_reason"]
+    assert got == (text[: -len(stop)], "stop", stop)
 
 
 @pytest.mark.timeout(30)
@@ -293,6 +304,7 @@ async def test_stop_token_id_ends_generation_at_that_token(server: Server) -> No
     _, cut = await server.post("/v1/completions", {**body, "stop_token_ids": [stop_id]})
     assert cut["choices"][0]["token_ids"] == ids[: ids.index(stop_id) + 1]
     assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["stop_reason"] == stop_id
 
 
 @pytest.mark.timeout(30)

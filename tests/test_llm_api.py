@@ -210,6 +210,12 @@ def test_stop_strings_count_from_min_tokens_on(llm):
     (early,) = llm.generate(["Once upon a time"], SamplingParams(
         max_tokens=6, temperature=0, ignore_eos=True, stop=stop), use_tqdm=False)  # fmt: skip
     assert early.finish_reason == "stop" and early.text == ""
+    assert early.stop_reason == early.outputs[0].stop_reason == stop  # vLLM's field
+    assert free.stop_reason is None
+    at = free.token_ids[2]
+    (by_id,) = llm.generate(["Once upon a time"], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[at]), use_tqdm=False)  # fmt: skip
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", at)
     (late,) = llm.generate(["Once upon a time"], SamplingParams(
         max_tokens=6, temperature=0, ignore_eos=True, stop=stop, min_tokens=4), use_tqdm=False)  # fmt: skip
     assert len(late.token_ids) >= 4 and late.text.startswith(free.text[:1])

@@ -36,6 +36,14 @@ def test_text_stops_before_the_first_stop_string_even_across_tokens(tok):
     assert stream.stopped and released == stream.text == "the river runs "
 
 
+def test_the_stop_string_that_ends_the_text_is_the_earliest_there(tok):
+    ids = tok.encode("the river runs to the sea", add_special_tokens=False)
+    for stops, hit in [(("sea", "runs"), "runs"), (("river", "riv"), "river"), (("x",), None)]:
+        stream = TextStream(tok, stop=stops)
+        "".join(stream.push(t) for t in ids) + stream.finish()
+        assert stream.stop_string == hit, stops
+
+
 def test_text_that_might_begin_a_stop_string_is_held_back(tok):
     stream = TextStream(tok, stop=("END",))
     ids = tok.encode("abc EN", add_special_tokens=False)

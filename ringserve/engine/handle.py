@@ -21,6 +21,7 @@ class Delta:
     logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
 
 
 class RequestHandle:
@@ -59,6 +60,19 @@ class RequestHandle:
         reason = self.req.finish_reason
         return "stop" if reason == "length" and self.stop_at is not None else reason
 
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's: the stop string or stop token id that ended the request;
+        None for any other end, an EOS token's included."""
+        if self.finish_reason != "stop":
+            return None
+        if self.stream.stop_string is not None:
+            return self.stream.stop_string
+        params, kept = self.req.params, self.req.output[: self.kept]
+        last = kept[-1] if kept else None
+        eos = not params.ignore_eos and last in self.req.eos_ids
+        return last if not eos and last in params.stop_token_ids else None
+
     def take_new_tokens(self) -> Delta | None:
         """Turn the request's new tokens into a Delta (None if nothing new)."""
         end = self.kept
@@ -78,7 +92,8 @@ class RequestHandle:
         lp = self.req.logprobs[self.fed : end] if self.req.params.logprobs is not None else None
         top = self.req.top_logprobs[self.fed : end] if self.req.params.logprobs else None
         self.fed = end
-        delta = Delta(text, new, lp, top, self.finish_reason if finished else None)
+        ended = (self.finish_reason, self.stop_reason) if finished else (None, None)
+        delta = Delta(text, new, lp, top, *ended)
         self.done = finished
         if self._awaited is None:
             self.queue.put_nowait(delta)
@@ -120,6 +135,7 @@ class RequestHandle:
             token_ids=req.output[: self.kept],
             text=self.stream.text,
             finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
             logprobs=req.logprobs[: self.kept] if req.params.logprobs is not None else None,
             top_logprobs=req.top_logprobs[: self.kept] if req.params.logprobs else None,
             cached_tokens=req.cached_tokens,

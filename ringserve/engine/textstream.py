@@ -30,6 +30,7 @@ class TextStream:
         self._held = ""
         self.text = ""
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
 
     def push(self, token_id: int) -> str:
         """Feed one generated token; returns the text it releases."""
@@ -59,9 +60,10 @@ class TextStream:
     def _release(self, final: bool) -> str:
         # Held-back text is every suffix that could begin a stop string, so a
         # stop string can only start inside what is held.
-        hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
+        hits = [(at, k) for k, s in enumerate(self._stop) if (at := self._held.find(s)) >= 0]
         if hits:
-            delta = self._held[: min(hits)]
+            at, k = min(hits)  # the earliest; at one place, the first listed
+            delta, self.stop_string = self._held[:at], self._stop[k]
             self._held, self.stopped = "", True
         else:
             keep = 0 if final else _partial_stop(self._held, self._stop)

@@ -94,7 +94,7 @@ def _choice(served: ServedModel, i: int, out: RequestOutput, plan: ToolPlan) -> 
     if out.logprobs is not None:
         lp = chat_logprobs(served.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
     message, finish = _message(served, out, plan)
-    return ChatChoice(i, message, lp, finish, out.token_ids)
+    return ChatChoice(i, message, lp, finish, out.token_ids, out.stop_reason)
 
 
 def _message(
@@ -160,6 +160,7 @@ async def _chunks(
                         lp if last else None,
                         finish if last else None,
                         delta.token_ids if last else None,
+                        delta.stop_reason if last else None,
                     )
                 ]
             )

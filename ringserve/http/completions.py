@@ -90,7 +90,13 @@ def _unanswered(out: Answer) -> Answer:
     generated nothing: its length reached where it ended."""
     ended = None if out.finish_reason is None else "length"
     return dataclasses.replace(
-        out, text="", token_ids=[], logprobs=None, top_logprobs=None, finish_reason=ended
+        out,
+        text="",
+        token_ids=[],
+        logprobs=None,
+        top_logprobs=None,
+        finish_reason=ended,
+        stop_reason=None,
     )
 
 
@@ -117,7 +123,9 @@ def _choice(
         lp = joined(_echoed(served, body, out, echo), lp)
     plp = prompt_logprobs_body(served.tokenizer, out.prompt_logprobs)
     wanted = plp if body.prompt_logprobs is not None else None
-    return CompletionChoice(i, echo + out.text, lp, out.finish_reason, out.token_ids, wanted)
+    return CompletionChoice(
+        i, echo + out.text, lp, out.finish_reason, out.token_ids, wanted, out.stop_reason
+    )
 
 
 def _echoed(
@@ -163,7 +171,9 @@ async def _chunks(
                 served.tokenizer, delta.token_ids, delta.logprobs, delta.top_logprobs, offsets[i]
             )
             offsets[i] += sum(len(t) for t in lp.tokens)
-        choice = CompletionChoice(i, delta.text, lp, delta.finish_reason, delta.token_ids)
+        choice = CompletionChoice(
+            i, delta.text, lp, delta.finish_reason, delta.token_ids, stop_reason=delta.stop_reason
+        )
         yield Completion(head.id, head.created, head.model, [choice])
     if body.include_usage:
         yield Completion(head.id, head.created, head.model, [], usage=sub.usage(not scoring))

@@ -62,6 +62,7 @@ class CompletionChoice(Struct):
     finish_reason: str | None = None
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobsBody | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
 
 
 class Completion(Struct):
@@ -130,6 +131,7 @@ class ChatChoice(Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletion(Struct):
@@ -181,6 +183,7 @@ class ChatChunkChoice(Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(Struct):
