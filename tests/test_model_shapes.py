@@ -5,14 +5,16 @@ and the window agree) and never by running past it silently."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ringserve import LLM, SamplingParams
 from ringserve.models.config import ModelConfig
+from ringserve.models.rope import rope_parameters
 from tests import model_factory
 from tests.test_ring import RING_OPTIONS, assert_no_rank_left, expected_for
 from tests.workloads import ENGINE_OPTIONS, NEW_TOKENS, greedy_case, hf_greedy
@@ -85,6 +87,73 @@ def test_rope_scalings_equal_transformers(tmp_path, rope):
     path, prompts, expected = greedy_case(model_factory.qwen2_rope(tmp_path, ROPES[rope]))
     with LLM(path, **ENGINE_OPTIONS) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+TINY = {"model_type": "llama", "vocab_size": 8, "hidden_size": 16, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "intermediate_size": 8, "max_position_embeddings": 256}  # fmt: skip
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+ROPE_CONFIGS = {
+    # the rope dict's theta before the top-level one
+    "theta_in_both": {
+        "rope_theta": 1e4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+    },
+    # the legacy rope_scaling before rope_parameters, the top-level theta for it
+    "scaling_and_parameters": {
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+        "rope_theta": 900.0,
+    },
+    # the top-level pretrained context before the dict's (as for Phi-3)
+    "llama3_top_level_context": {
+        "rope_parameters": {**LLAMA3, "original_max_position_embeddings": 64, "rope_theta": 5e5},
+        "original_max_position_embeddings": 16,
+    },
+    "llama3_no_context": {"rope_scaling": LLAMA3, "rope_theta": 5e5},
+    "yarn_top_level_context": {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "original_max_position_embeddings": 32,
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CONFIGS))
+def test_rope_settings_given_twice_are_read_as_transformers_reads_them(tmp_path, case):
+    """Frequencies and scale against a transformers model built from the
+    same config.json, where a config says a rope setting in two places."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **ROPE_CONFIGS[case]}))
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    inv_freq, scale = rope_parameters(ModelConfig.from_dir(tmp_path))
+    assert torch.equal(inv_freq, hf.model.rotary_emb.inv_freq)
+    assert scale == pytest.approx(hf.model.rotary_emb.attention_scaling)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({**TINY, "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        (
+            {
+                "model_type": "gpt_bigcode",
+                "vocab_size": 8,
+                "n_embd": 8,
+                "n_layer": 1,
+                "n_head": 2,
+                "activation_function": "relu",
+            },
+            "activation_function 'relu' is not supported by gpt_bigcode",
+        ),  # fmt: skip
+    ],
+)
+def test_an_activation_not_served_is_refused_with_the_config(config, message):
+    """Refused where the config is read (the launcher's one line, exit 2),
+    not once a rank builds its layers."""
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(config)
 
 
 def test_a_rope_scaling_not_served_is_refused_by_name():

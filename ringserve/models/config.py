@@ -18,6 +18,14 @@ BIGCODE_FAMILY = {"gpt_bigcode"}
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ROPE_SCALINGS = ("llama3", "linear", "yarn")  # the rope_type values served (models/rope.py)
+SILU_ACTIVATIONS = frozenset({"silu", "swish"})  # the Llama family's MLP (models/llama.py)
+# GPT-BigCode's activation_function -> torch's gelu approximation (models/gpt_bigcode.py)
+GELU_APPROXIMATION = {
+    "gelu": "none",
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_new": "tanh",
+    "gelu_fast": "tanh",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +51,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
+    activation: str = "silu"  # `hidden_act`, or GPT-BigCode's `activation_function`
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +67,15 @@ class ModelConfig:
             )
         if min(self.num_layers, self.hidden_size, self.vocab_size, self.head_dim) <= 0:
             raise ValueError("config has a non-positive size")
+        if self.family == "llama" and self.activation not in SILU_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {self.activation!r} is not supported (the Llama family uses silu)"
+            )
+        if self.family == "gpt_bigcode" and self.activation not in GELU_APPROXIMATION:
+            raise ValueError(
+                f"activation_function {self.activation!r} is not supported by gpt_bigcode "
+                f"(only {', '.join(GELU_APPROXIMATION)})"
+            )
 
     @property
     def family(self) -> str:
@@ -111,6 +129,7 @@ class ModelConfig:
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            activation=cfg.get("hidden_act", "silu"),
             raw=cfg,
         )
 
@@ -133,6 +152,7 @@ class ModelConfig:
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            activation=cfg.get("activation_function", "gelu_pytorch_tanh"),
             raw=cfg,
         )
 
@@ -204,15 +224,20 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     return int(window)
 
 
+def _rope_dict(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters as transformers 5 reads them: the legacy
+    `rope_scaling` where given, else `rope_parameters`."""
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+
 def _rope_theta(cfg: dict[str, Any]) -> float:
-    if "rope_theta" in cfg:
-        return cfg["rope_theta"]
-    params = cfg.get("rope_parameters") or {}
-    return params.get("rope_theta", 10000.0)
+    """The rope dict's `rope_theta` first, then the top-level one (as
+    transformers' `convert_rope_params_to_dict` ranks them)."""
+    return _rope_dict(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    scaling = _rope_dict(cfg)
     if not scaling:
         return None
     kind = scaling.get("rope_type") or scaling.get("type")
@@ -223,7 +248,7 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
             f"rope_scaling type {kind!r} is not supported (only {', '.join(ROPE_SCALINGS)})"
         )
     out = {**scaling, "rope_type": kind}
-    if kind == "yarn":  # the pretrained context, where transformers finds it
+    if kind in ("llama3", "yarn"):  # the pretrained context, where transformers finds it first
         pretrained = cfg.get("original_max_position_embeddings")
         if pretrained is None:
             pretrained = scaling.get("original_max_position_embeddings")

@@ -15,16 +15,8 @@ from ringserve.cache.pool import KVPool
 from ringserve.kernels import ops
 from ringserve.kernels.batch import ForwardBatch
 from ringserve.kernels.packed_linear import linear
-from ringserve.models.config import ModelConfig
+from ringserve.models.config import GELU_APPROXIMATION, ModelConfig
 from ringserve.models.slice import ModelSlice, empty_param
-
-_GELU_APPROXIMATION = {
-    "gelu": "none",
-    "gelu_pytorch_tanh": "tanh",
-    "gelu_new": "tanh",
-    "gelu_fast": "tanh",
-}
-
 
 _HF_NAMES = {
     name.replace(".", "_"): name
@@ -54,7 +46,7 @@ class BigCodeLayer(nn.Module):
         p = {"dtype": dtype, "device": device}
         self.cfg = cfg
         self.scale = cfg.head_dim**-0.5 if cfg.raw.get("scale_attn_weights", True) else 1.0
-        self.approximate = _gelu_approximation(cfg)
+        self.approximate = GELU_APPROXIMATION[cfg.activation]  # ModelConfig checked it
         self.params = nn.ParameterDict(
             {
                 "ln_1_weight": empty_param(hidden, **p),
@@ -177,10 +169,3 @@ class GPTBigCodeModel(ModelSlice):
             eps = self.cfg.norm_eps
             x = F.layer_norm(x, x.shape[-1:], self.ln_f_weight, self.ln_f_bias, eps)
         return x
-
-
-def _gelu_approximation(cfg: ModelConfig) -> str:
-    act = cfg.raw.get("activation_function", "gelu_pytorch_tanh")
-    if act not in _GELU_APPROXIMATION:
-        raise ValueError(f"activation_function {act!r} is not supported by gpt_bigcode")
-    return _GELU_APPROXIMATION[act]

@@ -23,8 +23,6 @@ from ringserve.models.config import ModelConfig
 from ringserve.models.rope import RotaryEmbedding, apply_rope
 from ringserve.models.slice import ModelSlice, empty_param
 
-_SILU = {"silu", "swish"}
-
 
 class LlamaLayer(nn.Module):
     """One decoder layer. `forward` takes the residual stream and the
@@ -176,9 +174,6 @@ class LlamaModel(ModelSlice):
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__(cfg, layers, dtype)
-        act = cfg.raw.get("hidden_act", "silu")
-        if act not in _SILU:
-            raise ValueError(f"hidden_act {act!r} is not supported (the Llama family uses silu)")
         p = {"dtype": dtype, "device": device}
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
         self.rotary = RotaryEmbedding(cfg, device)
