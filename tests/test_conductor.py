@@ -12,7 +12,7 @@ from ringserve.config import EngineConfig
 from ringserve.engine.conductor import Conductor
 from ringserve.engine.desk import RequestDesk
 from ringserve.params import SamplingParams
-from ringserve.ring.errors import LinkError
+from ringserve.ring.errors import RingFailed
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.messages import Output, Void
 from ringserve.ring.topology import RingEnds
@@ -70,6 +70,7 @@ async def test_a_terminal_out_of_pass_order_breaks_the_ring():
     inbox = Inbox()
     inbox.put(Output(second.pass_id, [7] * sum(e.sample for e in second.entries)))
     failure = await run_terminals(conductor_of(sched, inbox))
-    assert isinstance(failure, LinkError)
-    assert f"terminal of pass {second.pass_id} arrived, owed {first.pass_id}" in str(failure)
+    assert isinstance(failure, RingFailed)
+    owed = f"terminal of pass {second.pass_id} from rank 2, owed {first.pass_id}"
+    assert owed in str(failure) and f"the terminal of pass {first.pass_id} was lost" in str(failure)
     assert first.pass_id in sched.in_flight and second.pass_id in sched.in_flight

@@ -24,7 +24,7 @@ from ringserve.engine.metrics import Metrics, RankReports
 from ringserve.engine.stage import PassFailed, Stage
 from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import SamplingParams
-from ringserve.ring.errors import LinkError
+from ringserve.ring.errors import LinkError, RingFailed
 from ringserve.ring.messages import Decision, Hidden, Output, RankStats, Void
 from ringserve.ring.topology import RingEnds
 from ringserve.ring.watchdog import Liveness, Owed, watched
@@ -145,6 +145,8 @@ class Conductor:
             await asyncio.gather(*self._tasks)
         except LinkError as exc:
             self.fail(f"rank {exc.peer} is gone: {exc.reason}")
+        except RingFailed as exc:
+            self.fail(exc.reason)
         except Exception as exc:  # a bug on rank 0 must not leave requests hanging
             self.fail(f"rank 0 failed: {type(exc).__name__}: {exc}")
             raise
@@ -261,8 +263,10 @@ class Conductor:
             what = Owed(oldest, Output, self.ring.last_rank)
             msg = await watched(self.ring.inbox.terminal(), what, self.wedge_timeout_s, self.health)
             if msg.pass_id != oldest:
-                raise LinkError(
-                    self.ring.last_rank, f"terminal of pass {msg.pass_id} arrived, owed {oldest}"
+                raise RingFailed(
+                    0,
+                    f"rank 0 got the terminal of pass {msg.pass_id} from rank "
+                    f"{self.ring.last_rank}, owed {oldest}: the terminal of pass {oldest} was lost",
                 )
             self._on_terminal(msg)
 

@@ -13,6 +13,7 @@ import torch
 
 from ringserve.engine.replica import ReplicaMismatch, Row
 from ringserve.engine.stage import PassFailed, Stage
+from ringserve.ring.errors import LinkError, RingFailed
 from ringserve.ring.inbox import Inbox
 from ringserve.ring.messages import (
     Control,
@@ -60,7 +61,8 @@ class Follower:
         controls = asyncio.create_task(self._controls())
         try:
             await asyncio.wait({passes, controls}, return_when=asyncio.FIRST_COMPLETED)
-            if passes.done() and not controls.done():
+            ring_failed = passes.done() and isinstance(passes.exception(), RingFailed)
+            if passes.done() and not controls.done() and not ring_failed:
                 # The link ends right after SHUTDOWN; let the control loop
                 # take it before judging the end a failure.
                 await asyncio.wait({controls}, timeout=1.0)
@@ -79,9 +81,25 @@ class Follower:
                 log.info("ring.shutdown", rank=self.rank)
                 await self.send.close()
                 return
+            if msg.kind is ControlKind.FAILED:  # an upstream rank's: on to rank 0
+                self.health.mark_dead(msg.reason)
+                await self._pass_failure_on(msg)
+                raise RingFailed(msg.rank, msg.reason)
             if msg.kind is ControlKind.HEARTBEAT:
                 msg = msgspec.structs.replace(msg, stats=[*msg.stats, self.stats()])
             await self.send.send(msg)
+
+    async def _pass_failure_on(self, msg: Control, timeout_s: float = 5.0) -> None:
+        """Send a FAILED control on towards rank 0 and wait until it left;
+        a link that fails meanwhile leaves rank 0 its own end to report."""
+        try:
+            await asyncio.wait_for(self._send_and_flush(msg), timeout_s)
+        except (LinkError, TimeoutError):
+            log.warning("ring.failure_not_passed_on", rank=self.rank, reason=msg.reason)
+
+    async def _send_and_flush(self, msg: Control) -> None:
+        await self.send.send(msg)
+        await self.send.flush()
 
     def stats(self) -> RankStats:
         """This rank's running totals, carried to rank 0 by heartbeats."""
@@ -107,8 +125,11 @@ class Follower:
         )
         if hidden.pass_id != p:
             # links are FIFO, so the hidden of pass p was lost upstream: the
-            # ring cannot go on; say so and let the group be torn down
-            reason = f"rank {self.rank} got hidden of pass {hidden.pass_id}, owed {p}: hidden {p} was lost"
+            # ring cannot go on; say so round to rank 0, which ends it
+            reason = (
+                f"rank {self.rank} got hidden of pass {hidden.pass_id}, owed {p}: "
+                f"the hidden of pass {p} was lost"
+            )
             log.error(
                 "pass.lost",
                 rank=self.rank,
@@ -118,7 +139,8 @@ class Follower:
                 got=hidden.pass_id,
             )
             self.health.mark_dead(reason)
-            raise RuntimeError(reason)
+            await self._pass_failure_on(Control(ControlKind.FAILED, rank=self.rank, reason=reason))
+            raise RingFailed(self.rank, reason)
         void_rank = self.rank
         if hidden.void is not None:
             void, void_rank = hidden.void, hidden.void_rank

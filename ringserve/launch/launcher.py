@@ -120,7 +120,9 @@ class Launcher:
             return 0
         cause = next(((r, c) for r, c in exited.items() if c not in (0, EXIT_LINK_FAILED)), None)
         rank, code = cause if cause is not None else next(iter(exited.items()))
-        why = "lost its link to a neighbour" if code == EXIT_LINK_FAILED else describe_exit(code)
+        why = describe_exit(code)
+        if code == EXIT_LINK_FAILED:  # every rank here ended with the ring
+            why = "its ring failed: a link to a neighbour ended, or a message was lost; its ring.failed line says which"
         if code == EXIT_LINK_FAILED and self.node.nnodes > 1:  # no rank here says otherwise
             why += ", likely on another node: its launcher says why"
         say(f"rank {rank} exited ({why}); ending the group")

@@ -94,7 +94,7 @@ def describe_exit(code: int | None) -> str:
     # a rank is sent SIGKILL here only after it was asked to stop; the
     # kernel's out-of-memory killer sends it unasked
     if code == -signal.SIGKILL:
-        return "killed by SIGKILL, likely for lack of memory"
+        return "killed by SIGKILL: by the kernel for lack of memory, or by hand"
     if code is not None and code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"

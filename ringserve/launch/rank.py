@@ -27,12 +27,14 @@ from ringserve.launch.processes import (
     exit_now_if_stuck,
 )
 from ringserve.models.config import ModelConfig
-from ringserve.ring.errors import LinkError
+from ringserve.ring.errors import LinkError, RingFailed
 from ringserve.ring.faults import FaultPlan
 from ringserve.ring.group import RingMismatch, close_group, init_group
 from ringserve.ring.topology import RankSpec, open_links
 
 log = structlog.get_logger(__name__)
+
+RING_END_WAIT_S = 10.0  # how long a rank that failed the ring waits for rank 0 to end it
 
 
 def end_on_signal(rank: int) -> None:
@@ -69,6 +71,14 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
     except LinkError as exc:
         log.error("ring.failed", rank=spec.rank, peer=exc.peer, reason=exc.reason)
         # the other link's thread may still wait in gloo for a peer that is alive
+        exit_now_if_stuck(ends, EXIT_LINK_FAILED)
+        return EXIT_LINK_FAILED
+    except RingFailed as exc:
+        log.error("ring.failed", rank=spec.rank, reason=exc.reason)
+        # The failure went on towards rank 0, which ends the ring: leaving
+        # first would end this rank's links, and rank 0 could see that end
+        # before the reason. Wait (bounded) for rank 0 to end this link.
+        await ends.recv.close(timeout_s=RING_END_WAIT_S)
         exit_now_if_stuck(ends, EXIT_LINK_FAILED)
         return EXIT_LINK_FAILED
     await ends.recv.close(timeout_s=2.0)

@@ -5,7 +5,8 @@
 (b) every message sent on a link was received on it, and every pass has
     exactly one terminal (Output or Void received by rank 0);
 (c) for a run that ended with passes unfinished (wedged or cut off), it
-    prints the wait-for chain and the last pass each rank completed;
+    prints the wait-for chain and the last pass each rank completed, and
+    how the ring failed where a rank logged that it did (`ring.failed`);
 (d) a fresh scheduler fed rank 0's recorded arrivals, terminals and aborts
     reproduces every recorded decision (digest equality).
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from ringserve.replay.chain import last_completed, wedge
+from ringserve.replay.chain import failures, last_completed, wedge
 from ringserve.replay.checks import check_decisions, check_messages, check_terminals, terminals
 from ringserve.replay.report import Finding, Report, Wait, Wedge
 from ringserve.replay.rerun import rerun_scheduler
@@ -53,6 +54,7 @@ def replay(log_dir: str | Path) -> Report:
         last_completed=last_completed(trace, t),
         rerun=summary,
         notes=trace.notes,
+        failures=failures(trace),
     )
 
 

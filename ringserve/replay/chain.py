@@ -100,6 +100,16 @@ def _suspects(trace: Trace) -> list[str]:
     ]
 
 
+def failures(trace: Trace) -> list[str]:
+    """How the ring failed, if it did: every rank's `ring.failed`, in time
+    order (rank 0's names the cause its requests failed with)."""
+    return [
+        f"rank {e.get('rank')}: {e.get('reason')}"
+        for e in trace.merged()
+        if e.get("event") == "ring.failed"
+    ]
+
+
 def last_completed(trace: Trace, t: Terminals) -> dict[int, int]:
     """Per rank, the last pass it passed on (rank 0: the last whose terminal
     it received); -1 for none."""

@@ -72,6 +72,7 @@ class Report:
     last_completed: dict[int, int] = field(default_factory=dict)
     rerun: RerunSummary = field(default_factory=RerunSummary)
     notes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # each rank's `ring.failed`, in time order
 
     @property
     def consistent(self) -> bool:
@@ -87,6 +88,7 @@ class Report:
         )
         lines = [head, *(f"  note: {n}" for n in self.notes)]
         lines += [self._check_line(check) for check in CHECKS]
+        lines += [f"  ring failed: {f}" for f in self.failures]
         if self.wedge is not None:
             lines += self._wedge_lines(self.wedge)
         verdict = (
@@ -116,8 +118,9 @@ class Report:
         }.get(check, "")
 
     def _wedge_lines(self, wedge: Wedge) -> list[str]:
+        ended = "cut off by the ring's failure" if self.failures else "wedged"
         lines = [
-            f"  wedged at pass {wedge.pass_id} (passes without a terminal: {wedge.unfinished})"
+            f"  {ended} at pass {wedge.pass_id} (passes without a terminal: {wedge.unfinished})"
         ]
         lines += [f"    {w.describe()}" for w in wedge.waits]
         lines.append(f"    {wedge.cause}")

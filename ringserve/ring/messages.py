@@ -174,6 +174,7 @@ class ControlKind(enum.StrEnum):
     SHUTDOWN = "shutdown"
     HEARTBEAT = "heartbeat"
     READY = "ready"
+    FAILED = "failed"  # a rank found the ring out of step: goes on to rank 0 (`RingFailed`)
 
 
 class RankStats(msgspec.Struct, frozen=True):
