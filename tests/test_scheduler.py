@@ -349,3 +349,22 @@ def test_a_token_range_is_the_slice_of_the_whole_context(factory):
     for start in range(len(whole) + 2):
         for stop in range(start, len(whole) + 3):
             assert req.token_range(start, stop) == whole[start:stop], (start, stop)
+
+
+def test_prompt_logprobs_of_a_cached_prompt_finish_in_a_pool_that_holds_one_copy(factory):
+    """A request that asks for prompt logprobs computes its prompt again
+    beside the cache's copy: it must not lock that copy while it runs, or a
+    pool with room for one copy but not two retracts it and admits it again
+    for ever."""
+    sched = make(
+        capacity=300, kv_capacity_tokens=300, max_batch=4, chunk_size=16, max_tokens_per_pass=64
+    )
+    prompt = [(i * 7) % 90 + 3 for i in range(173)]
+    submit(sched, factory, prompt, max_tokens=20)
+    run_all(sched)
+    assert sched.cache.total_size >= len(prompt)  # the prompt is cached
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    req = factory(prompt, params)
+    sched.add(req)
+    run_all(sched, max_passes=100)
+    assert req.finish_reason == "length" and len(req.output) == 5

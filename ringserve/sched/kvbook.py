@@ -34,12 +34,20 @@ class KVBook:
         host tier under pressure) instead of being freed."""
         return self.prefix_reuse and self.cache.host_capacity > 0
 
+    def shares(self, req: Request) -> bool:
+        """Whether the request reuses cached prefixes and hands its KV to the
+        cache while it runs: not one that asks for prompt logprobs, which
+        must compute every prompt position. Such a request's KV duplicates
+        what the cache may hold of its prompt; handed over while it runs, it
+        would lock the cache's copy beside its own, and a pool that holds one
+        copy but not two could never finish it. It hands its KV over once it
+        ends."""
+        return self.prefix_reuse and req.params.prompt_logprobs is None
+
     def match(self, req: Request) -> TierMatch:
         """Longest prefix cached in either tier, leaving at least one token
-        to compute; none for a request that asks for prompt logprobs, which
-        must compute every prompt position."""
-        reuse = self.prefix_reuse and req.params.prompt_logprobs is None
-        probe = req.tokens[:-1] if reuse else []
+        to compute; none for a request that does not share (`shares`)."""
+        probe = req.tokens[:-1] if self.shares(req) else []
         return self.cache.match_tiers(probe)
 
     def evict_for(self, n: int) -> None:

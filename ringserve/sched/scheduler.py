@@ -258,7 +258,7 @@ class Scheduler:
                 count = next(counts)
                 stop = self._take_tokens(out.pass_id, req, entry, out, at, count)
                 at += count
-            elif self.config.prefix_reuse and req.prefilling:
+            elif req.prefilling and self.kv.shares(req):
                 self.kv.insert(req)
             reason = req.abort_reason or stop
             if reason is not None:
@@ -279,7 +279,7 @@ class Scheduler:
             reason = req.stop_reason(self.config.max_model_len)
         if entry.draft:
             self.speculation.settle(pass_id, req, entry, count, kept, self.kv)
-        if first and self.config.prefix_reuse:
+        if first and self.kv.shares(req):
             self.kv.insert(req)
         return reason
 
