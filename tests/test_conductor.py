@@ -14,7 +14,7 @@ from ringserve.engine.desk import RequestDesk
 from ringserve.params import SamplingParams
 from ringserve.ring.errors import RingFailed
 from ringserve.ring.inbox import Inbox
-from ringserve.ring.messages import Output, Void
+from ringserve.ring.messages import Control, ControlKind, Output, Void
 from ringserve.ring.topology import RingEnds
 from ringserve.sched.request import RequestFactory
 from ringserve.sched.scheduler import Scheduler, SchedulerConfig
@@ -74,3 +74,16 @@ async def test_a_terminal_out_of_pass_order_breaks_the_ring():
     owed = f"terminal of pass {second.pass_id} from rank 2, owed {first.pass_id}"
     assert owed in str(failure) and f"the terminal of pass {first.pass_id} was lost" in str(failure)
     assert first.pass_id in sched.in_flight and second.pass_id in sched.in_flight
+
+
+async def test_a_failed_control_fails_the_ring_with_its_reason_while_passes_run():
+    """Rank 0 reads every Control as it comes, not only a heartbeat's
+    return between passes: a rank's FAILED ends the ring with its reason,
+    and every live request fails with it."""
+    sched, _ = two_passes_in_flight()
+    inbox = Inbox()
+    conductor = conductor_of(sched, inbox)
+    reason = "rank 1 got hidden of pass 1, owed 0: the hidden of pass 0 was lost"
+    inbox.put(Control(ControlKind.FAILED, rank=1, reason=reason))
+    await asyncio.wait_for(conductor.run(), 5)  # the terminal of pass 0 never comes
+    assert conductor.failure == reason and not conductor.health.healthy

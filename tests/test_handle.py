@@ -67,3 +67,20 @@ async def test_result_of_a_request_that_has_ended_returns_at_once():
     await deliver(handle, [9])
     out = await asyncio.wait_for(handle.result(), 1.0)
     assert out.token_ids == [9] and out.finish_reason == "length"
+
+
+def test_stop_reason_is_none_for_the_tokenizers_eos_and_the_id_for_other_stop_ids():
+    """As vLLM: the tokenizer's EOS ends with stop_reason None; the model's
+    other EOS ids (a generation config's) and stop_token_ids give the id;
+    without a tokenizer every EOS id is an EOS."""
+
+    def reason(last: int, tokenizer_eos: int | None, **params) -> int | str | None:
+        req = RequestFactory(frozenset({1, 5}))([9, 9], SamplingParams(max_tokens=8, **params))
+        req.output, req.phase, req.finish_reason = [7, last], Phase.FINISHED, "stop"
+        return RequestHandle(req, TextStream(None), tokenizer_eos).stop_reason
+
+    assert reason(1, tokenizer_eos=1) is None
+    assert reason(5, tokenizer_eos=1) == 5
+    assert reason(5, tokenizer_eos=None) is None
+    assert reason(8, tokenizer_eos=1, stop_token_ids=[8]) == 8
+    assert reason(1, tokenizer_eos=1, stop_token_ids=[1], ignore_eos=True) == 1

@@ -241,6 +241,7 @@ async def test_a_strict_function_gets_no_properties_its_schema_does_not_name(
         None,
     )
     assert plan.grammar.json == open_schema  # not strict: the schema as given
+    assert plan_tools(tools, named, True, None).grammar.json == closed_schema
 
 
 async def test_tool_choices_the_server_cannot_serve_are_refused(tool_model) -> None:

@@ -116,7 +116,9 @@ class RequestDesk:
                 seed=req.spec.seed,
             )
         handle = RequestHandle(
-            req, TextStream(self.tokenizer, params.stop, stream_text, params.min_tokens)
+            req,
+            TextStream(self.tokenizer, params.stop, stream_text, params.min_tokens),
+            None if self.tokenizer is None else self.tokenizer.eos_token_id,
         )
         self.handles[req.req_id] = handle
         self.metrics.requests_total += 1

@@ -28,9 +28,12 @@ class RequestHandle:
     """Invariant: every token of `req.output` is delivered in exactly one
     Delta, in order, and exactly one Delta has a finish reason (the last)."""
 
-    def __init__(self, req: Request, stream: TextStream) -> None:
+    def __init__(self, req: Request, stream: TextStream, eos_token_id: int | None = None) -> None:
+        """`eos_token_id`: the tokenizer's own EOS, the one end `stop_reason`
+        reports as None (the model's other EOS ids count as stop tokens)."""
         self.req = req
         self.stream = stream
+        self.eos_token_id = eos_token_id
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.fed = 0
         self.submitted = time.monotonic()
@@ -63,15 +66,18 @@ class RequestHandle:
     @property
     def stop_reason(self) -> str | int | None:
         """vLLM's: the stop string or stop token id that ended the request;
-        None for any other end, an EOS token's included."""
+        None for any other end, the tokenizer's EOS token included. As vLLM
+        does, the model's other EOS ids (from its generation config, say)
+        count as stop tokens; without a tokenizer every EOS id is an EOS."""
         if self.finish_reason != "stop":
             return None
         if self.stream.stop_string is not None:
             return self.stream.stop_string
         params, kept = self.req.params, self.req.output[: self.kept]
         last = kept[-1] if kept else None
-        eos = not params.ignore_eos and last in self.req.eos_ids
-        return last if not eos and last in params.stop_token_ids else None
+        ends = not params.ignore_eos and last in self.req.eos_ids
+        eos = ends and (self.eos_token_id is None or last == self.eos_token_id)
+        return last if not eos and (ends or last in params.stop_token_ids) else None
 
     def take_new_tokens(self) -> Delta | None:
         """Turn the request's new tokens into a Delta (None if nothing new)."""

@@ -46,8 +46,10 @@ class Heartbeat:
         tasks = [asyncio.create_task(self._beats()), asyncio.create_task(self._controls())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                task.result()
+            # both may have ended in one step: read every exception, raise the first
+            errors = [e for e in (t.exception() for t in done) if e is not None]
+            if errors:
+                raise errors[0]
         finally:
             for task in tasks:
                 task.cancel()

@@ -78,7 +78,8 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
         # The failure went on towards rank 0, which ends the ring: leaving
         # first would end this rank's links, and rank 0 could see that end
         # before the reason. Wait (bounded) for rank 0 to end this link.
-        await ends.recv.close(timeout_s=RING_END_WAIT_S)
+        if await ends.recv.close(timeout_s=RING_END_WAIT_S):
+            await ends.send.close(timeout_s=2.0)  # rank 0's SHUTDOWN goes on round
         exit_now_if_stuck(ends, EXIT_LINK_FAILED)
         return EXIT_LINK_FAILED
     await ends.recv.close(timeout_s=2.0)

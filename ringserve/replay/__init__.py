@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from ringserve.replay.chain import failures, last_completed, wedge
+from ringserve.replay.chain import failed_first, failures, last_completed, wedge
 from ringserve.replay.checks import check_decisions, check_messages, check_terminals, terminals
 from ringserve.replay.report import Finding, Report, Wait, Wedge
 from ringserve.replay.rerun import rerun_scheduler
@@ -55,6 +55,7 @@ def replay(log_dir: str | Path) -> Report:
         rerun=summary,
         notes=trace.notes,
         failures=failures(trace),
+        cut_off=failed_first(trace),
     )
 
 

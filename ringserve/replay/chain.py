@@ -110,6 +110,18 @@ def failures(trace: Trace) -> list[str]:
     ]
 
 
+def failed_first(trace: Trace) -> bool:
+    """Whether the ring failed before any wait on it was suspected of a
+    wedge: then its unfinished passes were cut off by the failure (a rank
+    that died, a lost message found), not wedged (a failure that ends a
+    wedge, such as its ranks stopped, comes after the suspicion)."""
+    first = next(
+        (e["event"] for e in trace.merged() if e.get("event") in ("ring.failed", "wedge.suspect")),
+        None,
+    )
+    return first == "ring.failed"
+
+
 def last_completed(trace: Trace, t: Terminals) -> dict[int, int]:
     """Per rank, the last pass it passed on (rank 0: the last whose terminal
     it received); -1 for none."""

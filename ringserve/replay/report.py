@@ -73,6 +73,7 @@ class Report:
     rerun: RerunSummary = field(default_factory=RerunSummary)
     notes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # each rank's `ring.failed`, in time order
+    cut_off: bool = False  # the ring failed before any wedge was suspected (`chain.failed_first`)
 
     @property
     def consistent(self) -> bool:
@@ -118,7 +119,7 @@ class Report:
         }.get(check, "")
 
     def _wedge_lines(self, wedge: Wedge) -> list[str]:
-        ended = "cut off by the ring's failure" if self.failures else "wedged"
+        ended = "cut off by the ring's failure" if self.cut_off else "wedged"
         lines = [
             f"  {ended} at pass {wedge.pass_id} (passes without a terminal: {wedge.unfinished})"
         ]
