@@ -59,7 +59,9 @@ async def test_tokenize_and_detokenize_round_trip(server: Server) -> None:
     rendered = tok.encode(tok.apply_chat_template(MESSAGES), add_special_tokens=False)
     assert chat["tokens"] == rendered
     status, back = await server.post("/detokenize", {"tokens": body["tokens"]})
-    assert status == 200 and back["prompt"] == tok.decode(body["tokens"])
+    assert status == 200 and back["prompt"] == tok.decode(body["tokens"], skip_special_tokens=False)
+    _, chat_back = await server.post("/detokenize", {"tokens": chat["tokens"]})
+    assert chat_back["prompt"] == tok.apply_chat_template(MESSAGES)  # its markers included
     status, both = await server.post("/tokenize", {"prompt": "a", "messages": MESSAGES})
     assert status == 400 and both["error"]["param"] == "prompt"
 

@@ -310,7 +310,7 @@ def test_constraints_that_leave_no_token_fail_the_request_in_one_line(llm):
     )
     (out,) = llm.generate(["x"], params, use_tqdm=False)
     reason = out.finish_reason
-    assert reason.startswith("error: token") and "\n" not in reason, reason
+    assert reason.startswith("error: grammar failed: token") and "\n" not in reason, reason
     assert "allowed_token_ids" in reason and len(reason) < 500
 
 

@@ -359,3 +359,30 @@ def test_strict_closes_every_object_schema_and_leaves_data_alone():
     jsonschema.validate(answer, strict)  # the caller's data still fits
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**answer, "nullable": {"a": 1, "extra": 2}}, strict)
+
+
+def test_strict_leaves_an_object_made_of_allof_branches_satisfiable():
+    """Each branch of an `allOf` names its own part of one object: closed
+    one by one they would refuse each other's properties (no object fits);
+    what they nest is still closed."""
+    part = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    other = {"type": "object", "properties": {"b": inner}, "required": ["b"]}
+    for schema in ({"allOf": [part, other]}, {"type": "object", "allOf": [part, other]}):
+        strict = closed(schema)
+        jsonschema.validate({"a": 1, "b": {"x": 2}}, strict)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"a": 1, "b": {"x": 2, "extra": 3}}, strict)
+
+
+async def test_constraints_that_fail_the_grammar_are_the_requests_fault(server: Server) -> None:
+    """A grammar that its own request's other constraints leave no token
+    (or that never lets the output end) is a 400 naming the grammar, not a
+    server error; the server goes on."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    contradiction = {"structured_outputs": {"choice": ["true"]}, "allowed_token_ids": [5, 6]}
+    status, answer = await server.post("/v1/completions", {**body, **contradiction})
+    assert status == 400 and answer["error"]["code"] == "grammar_failed", answer
+    assert answer["error"]["message"].startswith("grammar failed: token"), answer
+    await server.assert_serving()
+    await server.assert_no_kv_held()

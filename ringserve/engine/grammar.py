@@ -37,6 +37,7 @@ from ringserve.params import StructuredOutputsParams
 BACKENDS = ("guidance", "auto")  # llguidance; `auto` picks it
 CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped
 GRAMMAR_STOP = "stop"
+GRAMMAR_FAILED = "grammar failed"  # begins the reason (after "error: ") of a request it failed
 
 
 def mask_words(vocab_size: int) -> int:
@@ -170,8 +171,9 @@ class Grammars:
             # the matcher's first line says why; the rest is its statistics
             why = next(iter((matcher.get_error() or "").splitlines()), "")[:300]
             return (
-                f"error: token {token} breaks the grammar ({why}); another constraint of the "
-                "request (allowed_token_ids, bad_words, a bias) may leave the grammar no token"
+                f"error: {GRAMMAR_FAILED}: token {token} breaks it ({why}); the grammar may "
+                "never let the output end, or another constraint of the request "
+                "(allowed_token_ids, bad_words, a bias) may leave it no token"
             )
         return GRAMMAR_STOP if matcher.is_stopped() else None
 

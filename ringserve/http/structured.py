@@ -98,10 +98,13 @@ _MAP_OF_SCHEMAS = frozenset(
 )
 
 
-def closed(schema: Any) -> Any:
+def closed(schema: Any, *, whole: bool = True) -> Any:
     """`schema` with every object schema that does not say otherwise closed
     to properties it does not name: OpenAI's strict mode. An object schema
-    is one whose `type` is or includes "object", or that names properties."""
+    is one whose `type` is or includes "object", or that names properties.
+    An object made of `allOf` branches, each naming only its own
+    properties, stays open, and so do the branches (`whole=False`): closed,
+    each would refuse the others' properties. What they nest is closed."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -109,11 +112,12 @@ def closed(schema: Any) -> Any:
         if key in _MAP_OF_SCHEMAS and isinstance(value, dict):
             out[key] = {name: closed(sub) for name, sub in value.items()}
         elif key in _LIST_OF_SCHEMAS and isinstance(value, list):
-            out[key] = [closed(sub) for sub in value]
+            out[key] = [closed(sub, whole=key != "allOf") for sub in value]
         elif key in _ONE_SCHEMA:
             out[key] = closed(value)
     kind = out.get("type")
     is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
-    if (is_object or "properties" in out) and "additionalProperties" not in out:
+    named = is_object or "properties" in out
+    if whole and named and "additionalProperties" not in out and "allOf" not in out:
         out["additionalProperties"] = False
     return out

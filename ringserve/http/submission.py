@@ -19,6 +19,7 @@ from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
 from ringserve.engine.desk import QUEUE_TIMEOUT, QueueFull
+from ringserve.engine.grammar import GRAMMAR_FAILED
 from ringserve.engine.handle import Delta, RequestHandle
 from ringserve.http.errors import ApiError, bad_request
 from ringserve.http.responses import PromptTokensDetails, Usage
@@ -142,6 +143,8 @@ class Submission:
         why = finish_reason.removeprefix("error: ")
         if why.startswith(QUEUE_TIMEOUT):
             return ApiError(503, f"not started: {why}", code="queue_timeout")
+        if why.startswith(GRAMMAR_FAILED):  # the request's own constraints: its fault
+            return ApiError(400, why, code="grammar_failed")
         status = 503 if self.conductor.failure is not None else 500
         return ApiError(status, f"generation failed: {why}")
 

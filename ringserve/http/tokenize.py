@@ -84,4 +84,7 @@ async def detokenize(request: web.Request) -> web.Response:
     ids = checked_ids(served, body.tokens, "tokens")
     if served.tokenizer is None:
         raise bad_request("this model has no tokenizer", param="tokens")
-    return json_response(DetokenizeResponse(prompt=served.tokenizer.decode(ids)))
+    # special tokens kept, as vLLM's (Hugging Face's decode by default): the
+    # text of /tokenize's ids, BOS and chat markers included
+    text = served.tokenizer.decode(ids, skip_special_tokens=False)
+    return json_response(DetokenizeResponse(prompt=text))
