@@ -304,6 +304,25 @@ def test_one_ring_of_several_ranks_per_process():
         assert first.generate(["still"], GREEDY, use_tqdm=False)[0].token_ids
 
 
+def test_a_ctrl_c_in_close_still_ends_the_ranks_and_the_group():
+    """Interrupted while it waits for rank 0's thread, close() still stops
+    the rank processes and ends the process group, so this process can run
+    another ring."""
+    first = LLM(pp_size=2, max_batch=4)
+    ring = first._ring
+    procs = list(ring.children.procs.values())
+
+    def interrupted(timeout: float | None = None) -> None:
+        raise KeyboardInterrupt
+
+    ring._thread.join = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        first.close()
+    assert procs and all(p.poll() is not None for p in procs), "a rank outlived close()"
+    with LLM(pp_size=2, max_batch=4) as second:
+        assert second.generate(["again"], GREEDY, use_tqdm=False)[0].token_ids
+
+
 def test_constraints_that_leave_no_token_fail_the_request_in_one_line(llm):
     params = SamplingParams(
         max_tokens=4, temperature=0, allowed_token_ids=[5], structured_outputs={"regex": "ab"}

@@ -232,12 +232,18 @@ class LocalRing:
             return
         self._closed = True
         atexit.unregister(self.close)
-        if self._stop is not None and self.loop.is_running():
-            self.loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=15.0)
-        self.children.stop()
-        if len(self.specs) > 1:
-            close_group()
+        # A Ctrl-C landing in any step still ends the ranks and the process
+        # group: a later ring in this process needs the group gone.
+        try:
+            if self._stop is not None and self.loop.is_running():
+                self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=15.0)
+        finally:
+            try:
+                self.children.stop()
+            finally:
+                if len(self.specs) > 1:
+                    close_group()
 
 
 def _reporting(
