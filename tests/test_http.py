@@ -305,6 +305,9 @@ async def test_stop_token_id_ends_generation_at_that_token(server: Server) -> No
     assert cut["choices"][0]["token_ids"] == ids[: ids.index(stop_id) + 1]
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["choices"][0]["stop_reason"] == stop_id
+    # its text is not the output's, as vLLM leaves it out
+    tok = server.conductor.tokenizer
+    assert cut["choices"][0]["text"] == tok.decode(ids[: ids.index(stop_id)])
 
 
 @pytest.mark.timeout(30)

@@ -216,6 +216,9 @@ def test_stop_strings_count_from_min_tokens_on(llm):
     (by_id,) = llm.generate(["Once upon a time"], SamplingParams(
         max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[at]), use_tqdm=False)  # fmt: skip
     assert (by_id.finish_reason, by_id.stop_reason) == ("stop", at)
+    cut = free.token_ids.index(at)
+    assert by_id.token_ids == free.token_ids[: cut + 1]  # the stop token's id is kept,
+    assert by_id.text == llm.tokenizer.decode(free.token_ids[:cut])  # its text is not
     (late,) = llm.generate(["Once upon a time"], SamplingParams(
         max_tokens=6, temperature=0, ignore_eos=True, stop=stop, min_tokens=4), use_tqdm=False)  # fmt: skip
     assert len(late.token_ids) >= 4 and late.text.startswith(free.text[:1])

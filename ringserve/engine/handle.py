@@ -79,6 +79,14 @@ class RequestHandle:
         eos = ends and (self.eos_token_id is None or last == self.eos_token_id)
         return last if not eos and (ends or last in params.stop_token_ids) else None
 
+    def _ends_on_stop_token(self) -> bool:
+        """Whether the request ended on a stop token id or an EOS."""
+        req, params = self.req, self.req.params
+        if req.finish_reason != "stop" or not req.output or self.stream.stopped:
+            return False
+        last = req.output[-1]
+        return last in params.stop_token_ids or (not params.ignore_eos and last in req.eos_ids)
+
     def take_new_tokens(self) -> Delta | None:
         """Turn the request's new tokens into a Delta (None if nothing new)."""
         end = self.kept
@@ -87,7 +95,12 @@ class RequestHandle:
         if not new and not finished:
             return None
         text = ""
+        # A stop token (or EOS) that ends the request is in its ids, not its
+        # text, as vLLM leaves it out.
+        silent = len(new) - 1 if finished and self._ends_on_stop_token() else None
         for i, t in enumerate(new):  # a pass may bring several tokens: none past a stop string
+            if i == silent:
+                break
             text += self.stream.push(t)
             if self.stream.stopped:
                 new, end = new[: i + 1], self.fed + i + 1
