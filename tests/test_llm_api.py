@@ -109,6 +109,8 @@ def test_max_tokens_none_runs_to_the_context_and_stop_strings_need_a_tokenizer(t
         assert (len(out.token_ids), out.finish_reason) == (20, "length")
         with pytest.raises(ValueError, match="stop strings need a tokenizer"):
             small.generate([[5, 6]], SamplingParams(stop="a"), use_tqdm=False)
+        with pytest.raises(ValueError, match="min_tokens 30 is more than the 24 tokens"):
+            small.generate([[5, 6]], SamplingParams(max_tokens=None, min_tokens=30), use_tqdm=False)
         assert small.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
 
 

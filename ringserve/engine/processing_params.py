@@ -18,6 +18,11 @@ def processing_params(
     `max_tokens` of None made the `context` (which ends the request first
     anyway); ValueError naming the field otherwise."""
     if params.max_tokens is None:
+        if params.min_tokens > context:
+            raise ValueError(
+                f"min_tokens {params.min_tokens} is more than the {context} tokens the "
+                "model's context holds (max_tokens was not given)"
+            )
         params = dataclasses.replace(params, max_tokens=context)
     if params.stop and tokenizer is None:  # matched in text, which needs one
         raise ValueError("stop strings need a tokenizer: this model has none (use stop_token_ids)")
