@@ -176,10 +176,12 @@ class LLM:
         return list(prompt)
 
     def close(self) -> None:
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
-        self._logs.close()
+        ring, self._ring = self._ring, None
+        try:
+            if ring is not None:
+                ring.close()
+        finally:  # interrupted or not, the caller's logging is put back
+            self._logs.close()
 
     def __enter__(self) -> LLM:
         return self

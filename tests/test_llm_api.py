@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import structlog
 from tqdm import tqdm
 
 from ringserve import LLM, SamplingParams
@@ -321,9 +322,11 @@ def test_a_ctrl_c_in_close_still_ends_the_ranks_and_the_group():
         raise KeyboardInterrupt
 
     ring._thread.join = interrupted
+    configured = structlog.get_config()
     with pytest.raises(KeyboardInterrupt):
         first.close()
     assert procs and all(p.poll() is not None for p in procs), "a rank outlived close()"
+    assert structlog.get_config() != configured, "the LLM's logging outlived close()"
     with LLM(pp_size=2, max_batch=4) as second:
         assert second.generate(["again"], GREEDY, use_tqdm=False)[0].token_ids
 
