@@ -84,3 +84,4 @@ def test_stop_reason_is_none_for_the_tokenizers_eos_and_the_id_for_other_stop_id
     assert reason(5, tokenizer_eos=None) is None
     assert reason(8, tokenizer_eos=1, stop_token_ids=[8]) == 8
     assert reason(1, tokenizer_eos=1, stop_token_ids=[1], ignore_eos=True) == 1
+    assert reason(1, tokenizer_eos=1, stop_token_ids=[1]) is None  # EOS first, as vLLM checks

@@ -69,23 +69,20 @@ class RequestHandle:
         None for any other end, the tokenizer's EOS token included. As vLLM
         does, the model's other EOS ids (from its generation config, say)
         count as stop tokens; without a tokenizer every EOS id is an EOS."""
-        if self.finish_reason != "stop":
-            return None
         if self.stream.stop_string is not None:
-            return self.stream.stop_string
-        params, kept = self.req.params, self.req.output[: self.kept]
-        last = kept[-1] if kept else None
-        ends = not params.ignore_eos and last in self.req.eos_ids
-        eos = ends and (self.eos_token_id is None or last == self.eos_token_id)
-        return last if not eos and (ends or last in params.stop_token_ids) else None
+            return self.stream.stop_string if self.finish_reason == "stop" else None
+        token = self._stop_token()
+        eos = not self.req.params.ignore_eos and token in self.req.eos_ids
+        return None if eos and self.eos_token_id in (None, token) else token
 
-    def _ends_on_stop_token(self) -> bool:
-        """Whether the request ended on a stop token id or an EOS."""
+    def _stop_token(self) -> int | None:
+        """The stop token id or EOS id that ended the request, if one did."""
         req, params = self.req, self.req.params
         if req.finish_reason != "stop" or not req.output or self.stream.stopped:
-            return False
+            return None
         last = req.output[-1]
-        return last in params.stop_token_ids or (not params.ignore_eos and last in req.eos_ids)
+        ends = last in params.stop_token_ids or (not params.ignore_eos and last in req.eos_ids)
+        return last if ends else None
 
     def take_new_tokens(self) -> Delta | None:
         """Turn the request's new tokens into a Delta (None if nothing new)."""
@@ -97,7 +94,7 @@ class RequestHandle:
         text = ""
         # A stop token (or EOS) that ends the request is in its ids, not its
         # text, as vLLM leaves it out.
-        silent = len(new) - 1 if finished and self._ends_on_stop_token() else None
+        silent = len(new) - 1 if finished and self._stop_token() is not None else None
         for i, t in enumerate(new):  # a pass may bring several tokens: none past a stop string
             if i == silent:
                 break
