@@ -242,6 +242,8 @@ def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+        except socket.gaierror as exc:  # the address itself, whatever the port
+            raise UserError(f"--host {host}: {exc.strerror}; pick another --host") from None
         except OSError as exc:
             fix = "another --host" if exc.errno == errno.EADDRNOTAVAIL else f"another {flag}"
             raise UserError(
@@ -286,6 +288,7 @@ def _check_launch(args: argparse.Namespace) -> None:
     for flag, value in (
         ("--api-key", args.api_key),
         ("--served-model-name", args.served_model_name),
+        ("--host", args.host),
     ):
         if value is not None and not value.strip():
             raise UserError(f"{flag} is empty: give one, or leave the option out")

@@ -147,6 +147,20 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
             "no nodes": (["launch", "--nnodes", "0"], "--nnodes 0"),
             "no ranks": (["plan", "--pp", "0"], "--pp 0"),
             "empty api key": (["launch", "--api-key="], "--api-key is empty"),
+            "empty host": (["launch", "--host="], "--host is empty"),
+            "a host that is no address": (
+                ["launch", "--host", "999.1.1.1"],
+                "--host 999.1.1.1: Name or service not known; pick another --host",
+            ),
+            # refused at once, before a budget or an estimate is made for every rank
+            "ranks by the billion": (
+                ["plan", "--pp", "3000000000"],
+                "3000000000 ranks for a model of 4 layers",
+            ),
+            "host tier not in MiB": (
+                ["plan", "--host-kv-mib", "16777217"],
+                "--host-kv-mib must be 1 to 16777216 (16 TiB",
+            ),
             "a floor above the default cap": (
                 ["plan", "--min-kv-tokens", "20000"],
                 "raise --kv-capacity-tokens, which caps the pool",

@@ -164,6 +164,10 @@ def plan(
     else:
         cfg = ModelConfig.from_dir(model)
         weights = model_bytes_from_dir(model, cfg, dtype)
+    if pp_size > cfg.num_layers:  # before a budget or an estimate is made per rank
+        raise PlanError(
+            f"{pp_size} ranks for a model of {cfg.num_layers} layers: every rank needs a layer"
+        )
     if measured is not None:
         budgets = [Figure(int(b), "measured") for b in measured]
     elif rank_memory_mib is None:
