@@ -51,6 +51,12 @@ def test_budgets_past_this_machines_memory_are_refused_before_any_rank_starts(tm
         LLM(path, pp_size=2, rank_memory_mib=[8_000_000, 8_000_000], device="cpu")
 
 
+def test_a_host_tier_past_this_machines_memory_is_refused_naming_the_tier(tmp_path):
+    path = model_factory.llama_deep(tmp_path)
+    with pytest.raises(PlanError, match=r"memory; give a smaller host KV tier \(--host-kv-tokens"):
+        LLM(path, host_kv_tokens=10**13, device="cpu")
+
+
 def test_without_budgets_each_rank_gets_its_default_budget_and_the_capacity_is_capped(tmp_path):
     from ringserve.config import EngineConfig
     from ringserve.plan.sizing import size_ring

@@ -107,17 +107,23 @@ def check_fits_here(config: EngineConfig, plan: Plan | None) -> None:
     if plan is None:
         return
     places = placement(config.device, len(plan.ledger))
-    need = sum(row.needs for row, place in zip(plan.ledger, places, strict=True) if place == "cpu")
-    need += sum(row.host.bytes for row in plan.ledger if row.host is not None)
+    ranks = sum(row.needs for row, place in zip(plan.ledger, places, strict=True) if place == "cpu")
+    host = sum(row.host.bytes for row in plan.ledger if row.host is not None)
+    need = ranks + host
     if not need:
         return
     available = mem_available()
     if need > available:
+        # the advice names what takes the most of it
+        fix = (
+            "give a smaller host KV tier (--host-kv-tokens, --host-kv-mib)"
+            if host > ranks
+            else "give smaller --rank-memory-mib budgets (or none: then they are measured)"
+        )
         raise PlanError(
             f"the plan needs {need / GIB:.1f} GiB of this machine's memory (weights, KV pools "
             f"and activations of its ranks on the CPU, and host KV tiers) but "
-            f"{available / GIB:.1f} GiB is available: a rank would be killed for memory; "
-            "give smaller --rank-memory-mib budgets (or none: then they are measured)"
+            f"{available / GIB:.1f} GiB is available: a rank would be killed for memory; {fix}"
         )
 
 
