@@ -12,7 +12,8 @@ from typing import Any
 SERVING_DTYPES = ("bfloat16", "float32")
 PLAN_FOR = ("capacity", "throughput", "balanced")  # what the planner optimises (plan/objective.py)
 KV_TOKENS_PER_WAITING = 16  # the default queue bound: one waiting request per this many KV slots
-MAX_HOST_MIB = 1 << 24  # 16 TiB, as a rank's budget (plan/ledger.py): past it, not written in MiB
+# 16 TiB: a memory figure past it (a rank's budget, a host tier) was not written in MiB
+MAX_MIB = 1 << 24
 SPECULATIVE_METHODS = ("ngram", "draft")  # who proposes speculative tokens (sched/speculation.py)
 CPU_KERNELS = ("native", "torch")  # how CPU decode passes attend (kernels/cpu_native.py)
 # What shapes the ring: every rank must hold the same (ring_terms), and a
@@ -153,9 +154,9 @@ class EngineConfig:
             raise ValueError("min_kv_tokens must be >= 2")
         if self.host_kv_tokens < 0:
             raise ValueError(f"host_kv_tokens must be >= 0, got {self.host_kv_tokens}")
-        if self.host_kv_mib is not None and not 1 <= self.host_kv_mib <= MAX_HOST_MIB:
+        if self.host_kv_mib is not None and not 1 <= self.host_kv_mib <= MAX_MIB:
             raise ValueError(
-                f"host_kv_mib must be 1 to {MAX_HOST_MIB} (16 TiB: a figure past it was not "
+                f"host_kv_mib must be 1 to {MAX_MIB} (16 TiB: a figure past it was not "
                 f"written in MiB), got {self.host_kv_mib}"
             )
         if self.kv_capacity_tokens < 2:

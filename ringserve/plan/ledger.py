@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from ringserve.config import PLAN_FOR, rank_device
+from ringserve.config import MAX_MIB, PLAN_FOR, rank_device
 from ringserve.models.config import _DTYPE_BYTES, ModelConfig
 
 if TYPE_CHECKING:
@@ -107,17 +107,14 @@ def estimate_activations(
     return Figure(peak, "config")
 
 
-MAX_BUDGET_MIB = 1 << 24  # 16 TiB: a figure past it was not written in MiB
-
-
 def budgets_from_mib(rank_memory_mib: Sequence[int] | str) -> list[Figure]:
     """`28000,9000,9000` or [28000, 9000, 9000] -> budgets of source "given"."""
     if isinstance(rank_memory_mib, str):
         rank_memory_mib = [int(part) for part in rank_memory_mib.split(",")]
     for mib in rank_memory_mib:
-        if not 0 <= int(mib) <= MAX_BUDGET_MIB:
+        if not 0 <= int(mib) <= MAX_MIB:
             raise ValueError(
-                f"rank memory budgets are in MiB, 0 to {MAX_BUDGET_MIB} (16 TiB), got {mib}: "
+                f"rank memory budgets are in MiB, 0 to {MAX_MIB} (16 TiB), got {mib}: "
                 "28000 for a 28 GB card"
             )
     return [Figure(int(mib) * MIB, "given") for mib in rank_memory_mib]

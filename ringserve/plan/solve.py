@@ -92,10 +92,7 @@ def solve(
     if page_size < 1:
         raise ValueError(f"page_size must be positive, got {page_size}")
     rig = Rig.build(model, budgets, activations, objective.speeds, draft)
-    if rig.ranks > rig.num_layers:
-        raise PlanError(
-            f"{rig.ranks} ranks for a model of {rig.num_layers} layers: every rank needs a layer"
-        )
+    check_ranks(rig.ranks, rig.num_layers)
     lo = max(1, -(-min_capacity_tokens // page_size))
     value, split = rig.best_split(lo * page_size)
     if value < 0:
@@ -135,6 +132,14 @@ def _refusal(rig: Rig, split: tuple[int, ...], capacity: int) -> PlanError:
     return PlanError(shortfall_message(worst, capacity, split), shortfall=worst)
 
 
+def check_ranks(ranks: int, num_layers: int) -> None:
+    """PlanError unless every rank can hold a layer."""
+    if ranks > num_layers:
+        raise PlanError(
+            f"{ranks} ranks for a model of {num_layers} layers: every rank needs a layer"
+        )
+
+
 def plan(
     model: ModelConfig | str | Path,
     *,
@@ -164,10 +169,7 @@ def plan(
     else:
         cfg = ModelConfig.from_dir(model)
         weights = model_bytes_from_dir(model, cfg, dtype)
-    if pp_size > cfg.num_layers:  # before a budget or an estimate is made per rank
-        raise PlanError(
-            f"{pp_size} ranks for a model of {cfg.num_layers} layers: every rank needs a layer"
-        )
+    check_ranks(pp_size, cfg.num_layers)  # before a budget or an estimate is made per rank
     if measured is not None:
         budgets = [Figure(int(b), "measured") for b in measured]
     elif rank_memory_mib is None:
