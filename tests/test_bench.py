@@ -72,6 +72,19 @@ def test_random_prompts_have_the_asked_lengths():
     assert len({r.prompt for r in reqs}) == 4
 
 
+def test_bench_counts_the_built_in_models_prompts_in_its_tokens(capsys):
+    """The built-in model is served under its directory's name, which is no
+    Hub id: bench still finds its tokenizer, and says so when it has none."""
+    from ringserve.benchmark.serve import _tokenizer
+    from ringserve.models.builtin import BUILTIN_VERSION
+
+    tok = _tokenizer(None, BUILTIN_VERSION)
+    assert tok is not None and tok.vocab_size == 2048
+    assert capsys.readouterr().err == ""
+    assert _tokenizer(None, "no-such-org/no-such-model") is None
+    assert "counted in words" in capsys.readouterr().err
+
+
 def metrics(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()

@@ -167,15 +167,24 @@ async def _first_model(session: aiohttp.ClientSession, base: str, api_key: str |
 
 def _tokenizer(given: str | None, model: str) -> Tokenizer | None:
     """The tokenizer named by --tokenizer (an error when it cannot be had),
-    else the served model's when its files are here (a directory or the Hub
-    cache); without one, prompts are counted in words."""
+    else the served model's when its files are here (a directory, the Hub
+    cache, or the built-in model, served under its directory's name);
+    without one, prompts are counted in words, and that is said."""
+    from ringserve.models.builtin import BUILTIN_VERSION, builtin_model_dir
     from ringserve.models.hub import resolve_model
 
     try:
+        if given is None and model == BUILTIN_VERSION:
+            return Tokenizer.from_dir(builtin_model_dir())
         return Tokenizer.from_dir(resolve_model(given or model, local_files_only=True))
     except (UserError, OSError, ValueError) as exc:
         if given is not None:
             raise UserError(f"--tokenizer {given}: {exc}") from None
+        print(
+            f"ringserve bench: no tokenizer of {model!r} here: prompt lengths are counted "
+            "in words (give --tokenizer DIR or a Hub id for token counts)",
+            file=sys.stderr,
+        )
         return None
 
 
