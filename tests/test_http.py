@@ -395,7 +395,25 @@ LONG_PROMPT = list(range(10, 10 + 600))
 BAD_REQUESTS = {
     "malformed_json": ("/v1/completions", b'{"prompt": "x",', 400, None),
     "not_an_object": ("/v1/completions", b"[1, 2]", 400, None),
-    "number_out_of_range": ("/v1/completions", b'{"prompt": "x", "temperature": 1e400}', 400, None),
+    "number_out_of_range": (
+        "/v1/completions",
+        b'{"prompt": "x", "temperature": 1e400}',
+        400,
+        "temperature",
+    ),
+    "nested_number_out_of_range": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -1e999}}',
+        400,
+        "logit_bias.5",
+    ),
+    "missing_prompt": ("/v1/completions", {"max_tokens": 2}, 400, "prompt"),
+    "bias_not_a_number": (
+        "/v1/completions",
+        {"prompt": "x", "logit_bias": {"5": "x"}},
+        400,
+        "logit_bias",
+    ),
     "not_utf8": ("/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, None),
     "wrong_type": ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, 400, "max_tokens"),
     "negative_max_tokens": (
@@ -572,6 +590,20 @@ async def test_body_over_the_size_limit_is_413() -> None:
         assert status == 413, body
         assert "2048" in body["error"]["message"]
         await server.assert_serving()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_not_in_its_declared_encoding_is_400(server: Server, encoding: str) -> None:
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    async with server.session.post(
+        server.url + "/v1/completions", data=body, headers=headers
+    ) as resp:
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+    assert error["code"] == "invalid_body" and encoding in error["message"], error
+    await server.assert_serving()
 
 
 @pytest.mark.timeout(30)

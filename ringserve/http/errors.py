@@ -10,6 +10,7 @@ from aiohttp import web
 
 # msgspec names the offending field as a JSON path: "... - at `$.max_tokens`".
 _AT_PATH = re.compile(r" - at (?:`key` in )?`\$\.?([^`]*)`$")  # a dict key: its dict
+_MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
 class ErrorDetail(msgspec.Struct):
@@ -66,10 +67,13 @@ def invalid_body(exc: msgspec.DecodeError) -> ApiError:
         return bad_request(f"request body is not valid JSON: {exc}", code="invalid_json")
     text = str(exc)
     match = _AT_PATH.search(text)
-    param = match.group(1) if match else None
-    if param is not None and "[...]" in param:  # msgspec's placeholder: no field known
-        param = None
-    return bad_request(f"invalid request body: {text}", param=param)
+    param = match.group(1) if match else ""
+    # msgspec's placeholder for a key or index it does not name: the field
+    # that holds it is the one at fault
+    param = param.split("[...]", 1)[0].rstrip(".")
+    if missing := _MISSING.search(text):
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+    return bad_request(f"invalid request body: {text}", param=param or None)
 
 
 def _default_type(status: int) -> str:

@@ -16,6 +16,8 @@ across fields (`SCHEMA_RULES`).
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -367,9 +369,18 @@ T = TypeVar("T")
 async def read_json(request: web.Request, kind: type[T]) -> T:
     """The request's body decoded as `kind`; a 400 naming the problem
     otherwise (a 413 from aiohttp when it is over the size limit)."""
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as exc:  # a Content-Encoding its bytes are not in
+        reason = exc.__cause__ if exc.__cause__ is not None else exc
+        message = getattr(reason, "message", None) or str(reason)
+        raise bad_request(
+            f"the request body cannot be read: {message}", code="invalid_body"
+        ) from None
     try:
         decoded = msgspec.json.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise _out_of_range(raw) or invalid_body(exc) from None
     except msgspec.DecodeError as exc:
         raise invalid_body(exc) from None
     except UnicodeDecodeError as exc:  # msgspec checks strings' UTF-8 apart
@@ -380,6 +391,35 @@ async def read_json(request: web.Request, kind: type[T]) -> T:
         return msgspec.convert(_whole_numbers(_unset_nulls(decoded)), kind)
     except msgspec.DecodeError as exc:
         raise invalid_body(exc) from None
+
+
+def _out_of_range(raw: bytes) -> ApiError | None:
+    """A 400 naming the field of a number past a float's range (1e400), which
+    msgspec's untyped decoding cannot name; None when there is none."""
+    try:
+        found = _infinite_at(json.loads(raw), "")
+    except (ValueError, RecursionError):
+        return None
+    if found is None:
+        return None
+    return bad_request(f"invalid request body: a number out of range at `{found}`", param=found)
+
+
+def _infinite_at(value: Any, path: str) -> str | None:
+    if isinstance(value, float) and math.isinf(value):
+        return path or "$"
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        at = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+        if (found := _infinite_at(item, at.lstrip("."))) is not None:
+            return found
+    return None
 
 
 # How deep a body's arrays and objects may nest: a JSON schema of a real
