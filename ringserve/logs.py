@@ -181,6 +181,8 @@ class _Tee:
     def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
         level = LEVELS.get(method, 20)
         event.setdefault("rank", self.rank)
+        if event.get("exc_info"):  # the traceback as text, for the file and the console alike
+            event = structlog.processors.format_exc_info(logger, method, event)
         sink = self.sink
         if sink is not None and level >= self.level:
             event["t"] = time.monotonic()

@@ -58,6 +58,19 @@ def test_file_gets_every_level_with_rank_and_monotonic_time(tmp_path, capsys):
     assert "probe.warning" in console and "probe.debug" not in console
 
 
+def test_a_logged_exception_keeps_its_traceback_in_the_file_and_on_the_console(tmp_path, capsys):
+    path = logs.configure(0, tmp_path, console_level="error")
+    try:
+        raise ValueError("the body was not gzip")
+    except ValueError:
+        log.exception("probe.error", path="/v1/completions")
+    logs.flush()
+    (event,) = [e for e in read(path) if e["event"] == "probe.error"]
+    assert "ValueError: the body was not gzip" in event["exception"]
+    assert "Traceback" in event["exception"] and "exc_info" not in event
+    assert "ValueError: the body was not gzip" in capsys.readouterr().err
+
+
 def test_a_new_opening_marks_the_start_of_a_run(tmp_path):
     path = logs.configure(0, tmp_path)
     logs.configure(0, tmp_path)
