@@ -32,15 +32,20 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
-        _check(
-            len(given) == 1,
-            "structured_outputs needs exactly one of json, regex, choice, grammar and "
-            f"json_object, got {given or 'none'}",
-        )
+        self.check_given("structured_outputs", given)
         _check(
             self.choice is None
             or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
             "structured_outputs choice must be a non-empty list of strings",
+        )
+
+    @staticmethod
+    def check_given(name: str, given: list[str]) -> None:
+        """ValueError unless `given` names exactly one kind of constraint."""
+        _check(
+            len(given) == 1,
+            f"{name} needs exactly one of json, regex, choice, grammar and "
+            f"json_object, got {given or 'none'}",
         )
 
     @property

@@ -286,6 +286,21 @@ async def test_a_bad_schema_is_a_400_naming_it_and_the_server_stays_healthy(
         "/v1/completions", {"prompt": PROMPT, "structured_outputs": {"regex": "a(b"}}
     )
     assert status == 400 and body["error"]["param"] == "structured_outputs", body
+    status, body = await server.post(
+        "/v1/completions", {"prompt": PROMPT, "structured_outputs": {}}
+    )
+    assert status == 400 and body["error"]["param"] == "structured_outputs", body
+    assert "got none" in body["error"]["message"], body
+    only_itself = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    status, body = await server.post(
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": only_itself}},
+        },
+    )
+    assert status == 400 and body["error"]["param"] == "response_format", body
+    assert "matches nothing" in body["error"]["message"], body
     await server.assert_serving()
     await server.assert_no_kv_held()
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import llguidance
 import llguidance.gbnf_to_lark
+import numpy as np
 import torch
 
 from ringserve.config import json_object
@@ -204,10 +205,22 @@ class Grammars:
             matcher = llguidance.LLMatcher(self._tokenizer_locked(), grammar, log_level=0)
             if matcher.is_error():
                 raise GrammarError(_what(so, matcher.get_error()))
+            if not matcher.is_accepting() and not self._allows_more_than_eos(matcher):
+                # llguidance lets a grammar that matches nothing (a $ref that
+                # only refers to itself) end at once, as an empty output
+                raise GrammarError(f"the {so.kind} matches nothing: no output can satisfy it")
             self._templates[key] = matcher
             while len(self._templates) > CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
             return matcher
+
+    def _allows_more_than_eos(self, matcher: llguidance.LLMatcher) -> bool:
+        """Whether `matcher`'s mask, in its present state, allows a token
+        other than the end of sequence."""
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32).copy()
+        for eos in self.eos_ids:
+            bits[eos // 32] &= ~np.uint32(1 << (eos % 32))
+        return bool(bits.any())
 
     def _tokenizer_locked(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:

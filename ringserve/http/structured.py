@@ -63,7 +63,7 @@ def _structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
     so = body.structured_outputs
     if so is None:
         return None
-    return _made(
+    made = _made(
         "structured_outputs",
         json=so.json,
         regex=so.regex,
@@ -71,6 +71,12 @@ def _structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
         grammar=so.grammar,
         json_object=bool(so.json_object),
     )
+    if made is None:  # given, but with nothing to match: refused as vLLM refuses it
+        try:
+            StructuredOutputsParams.check_given("structured_outputs", [])
+        except ValueError as exc:
+            raise bad_request(str(exc), param="structured_outputs") from None
+    return made
 
 
 def _made(field: str, **given: Any) -> StructuredOutputsParams | None:
