@@ -14,6 +14,7 @@ from ringserve.launch.local_ring import LocalRing
 from ringserve.launch.progress import GenerateBar
 from ringserve.models.builtin import builtin_model_dir
 from ringserve.models.hub import resolve_model
+from ringserve.models.tokenizer import Tokenizer
 from ringserve.params import MAX_SEED, RequestOutput, SamplingParams, is_int
 from ringserve.plan.sizing import check_fits_here, size_ring
 
@@ -83,6 +84,13 @@ class LLM:
         except BaseException:
             self._logs.close()
             raise
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (`encode`, `decode`, `apply_chat_template`),
+        as vLLM's `LLM.get_tokenizer()`; ValueError for a model without one."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (tokenizer.json): give token ids")
+        return self.tokenizer
 
     def generate(
         self,

@@ -341,6 +341,38 @@ def test_constraints_that_leave_no_token_fail_the_request_in_one_line(llm):
     assert "allowed_token_ids" in reason and len(reason) < 500
 
 
+def test_bans_that_leave_allowed_token_ids_nothing_are_refused_at_submit(llm):
+    """min_tokens bans the ends of sequence (1 and 3 in the built-in model)
+    and stop ids, bad words their one-token words: where that is all of
+    allowed_token_ids, nothing could be drawn, and no token outside them may
+    stand in."""
+    eos = sorted(llm._ring.conductor.desk.new_request.eos_ids)
+    tok = llm.get_tokenizer()
+    word, token = next(  # a word that is one token: bad_words bans it everywhere
+        (w, t)
+        for t in range(100, 2048)
+        if (w := tok.decode([t]).strip()) and tok.encode(w, add_special_tokens=False) == [t]
+    )
+    cases = {
+        "min_tokens": SamplingParams(max_tokens=5, min_tokens=3, allowed_token_ids=eos),
+        "stop_token_ids": SamplingParams(
+            max_tokens=5, min_tokens=5, stop_token_ids=[7], allowed_token_ids=[*eos, 7]
+        ),
+        "bad_words": SamplingParams(max_tokens=5, bad_words=[word], allowed_token_ids=[token]),
+    }
+    for name, params in cases.items():
+        with pytest.raises(ValueError, match="none could be drawn"):
+            llm.generate(["x"], params, use_tqdm=False)
+            pytest.fail(f"the {name} case was not refused")
+    # with one more token allowed, or the ends not banned, the request runs within it
+    fine = SamplingParams(max_tokens=5, min_tokens=3, allowed_token_ids=[*eos, 7], temperature=0)
+    (out,) = llm.generate(["x"], fine, use_tqdm=False)
+    assert out.outputs[0].token_ids[:3] == [7, 7, 7], out
+    ignoring = SamplingParams(max_tokens=2, min_tokens=2, ignore_eos=True, allowed_token_ids=eos)
+    (out,) = llm.generate(["x"], ignoring, use_tqdm=False)
+    assert set(out.outputs[0].token_ids) <= set(eos), out
+
+
 def test_what_the_wire_would_refuse_is_refused_at_submit(llm):
     """Behind SamplingParams' checks, rank 0 refuses a request whose spec the
     sampling rank could not decode (it would end the ring, not the request)."""

@@ -94,7 +94,11 @@ class RequestDesk:
                 f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens"
             )
         params = processing_params(
-            params, self.tokenizer, self.vocab_size, self.scheduler.config.max_model_len
+            params,
+            self.tokenizer,
+            self.vocab_size,
+            self.scheduler.config.max_model_len,
+            self.new_request.eos_ids,
         )
         carried(params, prompt)
         grammar = self._grammar(params)

@@ -12,11 +12,39 @@ from ringserve.params import SamplingParams
 
 
 def processing_params(
-    params: SamplingParams, tokenizer: Tokenizer | None, vocab_size: int, context: int
+    params: SamplingParams,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    context: int,
+    eos_ids: frozenset[int] = frozenset(),
 ) -> SamplingParams:
     """`params` checked, with `bad_words_token_ids` filled in and a
     `max_tokens` of None made the `context` (which ends the request first
-    anyway); ValueError naming the field otherwise."""
+    anyway); ValueError naming the field otherwise, and for bans that leave
+    `allowed_token_ids` no token to draw (`eos_ids`: the model's ends of
+    sequence, which `min_tokens` bans)."""
+    params = _resolved(params, tokenizer, vocab_size, context)
+    _check_something_is_drawable(params, eos_ids)
+    return params
+
+
+def _check_something_is_drawable(params: SamplingParams, eos_ids: frozenset[int]) -> None:
+    if params.allowed_token_ids is None:
+        return
+    left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words_token_ids if len(w) == 1}
+    if not left:
+        raise ValueError("bad_words ban every token of allowed_token_ids: none could be drawn")
+    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    if params.min_tokens > 0 and not left - ends:
+        raise ValueError(
+            f"allowed_token_ids {sorted(left)} are all ends of sequence or stop_token_ids, "
+            f"which min_tokens {params.min_tokens} bans: none could be drawn"
+        )
+
+
+def _resolved(
+    params: SamplingParams, tokenizer: Tokenizer | None, vocab_size: int, context: int
+) -> SamplingParams:
     if params.max_tokens is None:
         if params.min_tokens > context:
             raise ValueError(
