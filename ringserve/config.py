@@ -203,7 +203,11 @@ class EngineConfig:
         differ between machines). Per-rank choices (device, threads, kernels)
         and the plan's measured budgets are left out."""
         terms = {name: getattr(self, name) for name in RING_FIELDS}
-        terms["model_config"] = (self.model_dir / "config.json").read_text()
+        text = (self.model_dir / "config.json").read_text()
+        try:  # its content, not its layout: a copy saved by another tool is the same model
+            terms["model_config"] = json.loads(text)
+        except ValueError:
+            terms["model_config"] = text
         return json.dumps(terms, sort_keys=True).encode()
 
     def with_ring_of(self, sized: EngineConfig) -> EngineConfig:

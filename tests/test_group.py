@@ -3,6 +3,7 @@ and ranks started with different ring settings refuse to start."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -74,6 +75,15 @@ def test_ranks_given_the_same_terms_join_and_ranks_given_others_are_refused():
     assert all(s.startswith("refused: ranks [1] were started with ring settings") for s in said)
 
 
+@pytest.mark.timeout(120)
+def test_a_refusal_names_what_differs():
+    ours = {"layer_split": [2, 2], "model_config": {"rms_norm_eps": 1e-5, "vocab_size": 2048}}
+    theirs = {"layer_split": [2, 2], "model_config": {"rms_norm_eps": 1e-6, "vocab_size": 2048}}
+    said = join_two((json.dumps(ours), json.dumps(theirs)))
+    assert all("rank 1: config.json rms_norm_eps 1e-06 (rank 0's: 1e-05)" in s for s in said), said
+    assert all("layer_split" not in s and "vocab_size" not in s for s in said), said
+
+
 def test_ring_terms_cover_what_shapes_the_ring_and_not_what_each_rank_chooses(tmp_path):
     model = builtin_model_dir()
     base = EngineConfig(model_dir=model, layer_split=(2, 2), kv_capacity_tokens=4096)
@@ -86,6 +96,12 @@ def test_ring_terms_cover_what_shapes_the_ring_and_not_what_each_rank_chooses(tm
     copy = tmp_path / "elsewhere"  # the same model at another path, as on another machine
     shutil.copytree(model, copy)
     same.append(replace(base, model_dir=copy))
+    resaved = tmp_path / "resaved"  # and its config.json saved by another tool
+    shutil.copytree(model, resaved)
+    config = json.loads((model / "config.json").read_text())
+    (resaved / "config.json").write_text(json.dumps(dict(reversed(config.items()))))
+    assert (resaved / "config.json").read_text() != (model / "config.json").read_text()
+    same.append(replace(base, model_dir=resaved))
     assert all(c.ring_terms() == base.ring_terms() for c in same)
     other = [
         replace(base, layer_split=(3, 1)),

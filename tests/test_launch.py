@@ -303,6 +303,7 @@ def test_nodes_serving_different_models_refuse_to_start_and_say_why(tmp_path):
             assert node.proc.returncode != 0
             said = node.wait_for("were started with ring settings other than rank 0's", 10)
             assert said.startswith(f"ringserve: rank {node is second:d}: ranks [1]"), said
+            assert "config.json rms_norm_eps" in said, said  # what differs, named
         assert "ready at" not in first.output()
     finally:
         first.stop()

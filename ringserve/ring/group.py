@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import sys
 
 import structlog
@@ -76,7 +77,9 @@ def init_group(
 def check_terms(rank: int, world_size: int, terms: bytes) -> None:
     """Every rank's digest of its terms, gathered on every rank (one
     collective that every rank joins, before any link opens); RingMismatch
-    naming the ranks that differ from rank 0."""
+    naming the ranks that differ from rank 0, and in what (the terms
+    themselves are gathered then: a second collective, which every rank
+    joins since every rank sees the same digests)."""
     digest = hashlib.blake2b(terms, digest_size=16).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
     every = [torch.empty_like(mine) for _ in range(world_size)]
@@ -84,11 +87,58 @@ def check_terms(rank: int, world_size: int, terms: bytes) -> None:
     differ = [r for r in range(world_size) if not torch.equal(every[r], every[0])]
     if differ:
         log.error("group.terms_differ", rank=rank, ranks=differ, terms=terms.decode())
+        gathered = _gather_bytes(terms, world_size)
+        what = "; ".join(f"rank {r}: {terms_differ(gathered[0], gathered[r])}" for r in differ)
         raise RingMismatch(
-            f"ranks {differ} were started with ring settings other than rank 0's (each rank "
-            f"logs its own as group.terms_differ): on several nodes, give --rank-memory-mib "
-            f"or --layer-split, and the same options, so every node sizes the same ring"
+            f"ranks {differ} were started with ring settings other than rank 0's ({what}): "
+            "give every node the same model and options"
         )
+
+
+def _gather_bytes(data: bytes, world_size: int) -> list[bytes]:
+    """Every rank's `data` (of any length), on every rank."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    return [bytes(t[: int(n)].tolist()) for t, n in zip(every, sizes, strict=True)]
+
+
+def terms_differ(ours: bytes, theirs: bytes, shown: int = 4) -> str:
+    """What differs between two ranks' terms (JSON objects, the model's
+    config one level down), as `name X (rank 0's: Y)`, at most `shown`."""
+    try:
+        a, b = _flat(json.loads(ours)), _flat(json.loads(theirs))
+    except ValueError:
+        return "terms that cannot be read"
+    names = sorted(k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT))
+    said = [
+        f"{k} {_shown(b.get(k, _ABSENT))} (rank 0's: {_shown(a.get(k, _ABSENT))})" for k in names
+    ]
+    more = f" and {len(said) - shown} more" if len(said) > shown else ""
+    return ", ".join(said[:shown]) + more if said else "the same terms in another form"
+
+
+_ABSENT = object()
+
+
+def _flat(terms: dict) -> dict:
+    flat = {k: v for k, v in terms.items() if k != "model_config"}
+    config = terms.get("model_config")
+    if isinstance(config, dict):
+        flat.update({f"config.json {k}": v for k, v in config.items()})
+    elif config is not None:
+        flat["config.json"] = config
+    return flat
+
+
+def _shown(value: object) -> str:
+    return "absent" if value is _ABSENT else json.dumps(value)[:60]
 
 
 def close_group() -> None:
