@@ -10,7 +10,10 @@ import re
 import shutil
 import signal
 import socket
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import aiohttp
 import openai
@@ -196,6 +199,47 @@ def test_two_launchers_act_as_two_nodes(stop_node):
             said = other.wait_for("ending the group", 10)
             assert "its ring failed: a link to a neighbour ended" in said, said
             assert "likely on another node" in said, said
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_rank_killed_on_another_node_is_the_one_the_failed_request_names():
+    """Rank 0 talks to ranks 1 and 3 alone: when rank 2 (node 1) dies, rank 3
+    says so round to rank 0, and rank 1 waits for rank 0 to end the ring
+    instead of leaving first, so the request fails naming rank 2, not the
+    neighbour rank 0 would otherwise see go."""
+    nodes = ("--pp", "4", "--nnodes", "2", "--master-port", two_node_ports(), *COMMON)
+    slow = {"RINGSERVE_FAULTS": "slow:rank=3:ms=20"}
+    first = Launched(*nodes, "--node-rank", "0", expect_ready=False, env=slow)
+    second = Launched(*nodes, "--node-rank", "1", expect_ready=False, env=slow)
+    try:
+        first.wait_for("ready at", 180)
+        answer: dict[str, object] = {}
+
+        def ask() -> None:
+            body = {"prompt": "Four ranks", "max_tokens": 900, "ignore_eos": True}
+            req = urllib.request.Request(
+                first.url + "/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    answer["status"], answer["body"] = resp.status, resp.read().decode()
+            except urllib.error.HTTPError as exc:
+                answer["status"], answer["body"] = exc.code, exc.read().decode()
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        time.sleep(1.5)  # well into its 900 tokens, at 20 ms a pass
+        os.kill(second.ranks[2], signal.SIGKILL)
+        asking.join(60)
+        assert answer.get("status") == 503, answer
+        message = json.loads(answer["body"])["error"]["message"]
+        assert "rank 2 is gone" in message, message
+        first.proc.wait(30)
+        second.proc.wait(30)
     finally:
         first.stop()
         second.stop()

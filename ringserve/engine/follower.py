@@ -56,7 +56,8 @@ class Follower:
         self.stopped = asyncio.Event()
 
     async def run(self) -> None:
-        """Until rank 0's SHUTDOWN comes round, or a link fails (raises)."""
+        """Until rank 0's SHUTDOWN comes round, or a link fails (raises
+        LinkError, or RingFailed once the failure went on towards rank 0)."""
         passes = asyncio.create_task(self._passes())
         controls = asyncio.create_task(self._controls())
         try:
@@ -70,9 +71,25 @@ class Follower:
                 controls.result()
                 return
             passes.result()
+        except LinkError as exc:
+            await self._upstream_gone(exc)
+            raise
         finally:
             passes.cancel()
             controls.cancel()
+
+    async def _upstream_gone(self, exc: LinkError) -> None:
+        """The rank before this one is gone: rank 0, which talks to it not,
+        would otherwise learn of it only as the exit of a neighbour of its
+        own, and name that one. Say which, on towards rank 0 (raises
+        RingFailed once said); nothing to say when that rank is rank 0, or
+        the link that failed is this rank's own to its successor."""
+        if exc.peer != self.rank - 1 or exc.peer == 0:
+            return
+        reason = f"rank {exc.peer} is gone: {exc.reason}"
+        self.health.mark_dead(reason)
+        await self._pass_failure_on(Control(ControlKind.FAILED, rank=exc.peer, reason=reason))
+        raise RingFailed(exc.peer, reason) from exc
 
     async def _controls(self) -> None:
         while True:

@@ -70,6 +70,11 @@ async def run_follower(spec: RankSpec, config: EngineConfig) -> int:
         await follower.run()
     except LinkError as exc:
         log.error("ring.failed", rank=spec.rank, peer=exc.peer, reason=exc.reason)
+        if exc.peer == spec.rank + 1 and not spec.last:
+            # The successor is gone, and the rank after it tells rank 0 so:
+            # leaving now would end this rank's link from rank 0 first, and
+            # rank 0 would name this rank. Wait (bounded) for rank 0 to end it.
+            await ends.recv.close(timeout_s=RING_END_WAIT_S)
         # the other link's thread may still wait in gloo for a peer that is alive
         exit_now_if_stuck(ends, EXIT_LINK_FAILED)
         return EXIT_LINK_FAILED
