@@ -245,6 +245,31 @@ def test_a_rank_killed_on_another_node_is_the_one_the_failed_request_names():
         second.stop()
 
 
+def test_a_second_node_with_the_same_node_rank_is_refused_and_the_ring_serves():
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", two_node_ports(), *COMMON)
+    first = Launched(*nodes, "--node-rank", "0", expect_ready=False)
+    twins = [Launched(*nodes, "--node-rank", "1", expect_ready=False) for _ in range(2)]
+    try:
+        first.wait_for("ready at", 180)
+        began = time.monotonic()
+        while all(t.proc.poll() is None for t in twins) and time.monotonic() - began < 30:
+            time.sleep(0.1)
+        refused = [t for t in twins if t.proc.poll() is not None]
+        assert len(refused) == 1, [t.output() for t in twins]
+        assert refused[0].proc.returncode == 2, refused[0].output()
+        said = refused[0].wait_for("has already joined", 5)
+        assert said.startswith("ringserve: node rank 1 has already joined"), said
+        assert "started rank" not in refused[0].output()
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="none")
+        out = client.completions.create(
+            model=model_id(first), prompt="Two nodes", max_tokens=3, temperature=0
+        )
+        assert out.usage.completion_tokens == 3
+    finally:
+        for node in (first, *twins):
+            node.stop()
+
+
 def test_a_second_node_takes_the_ring_node_0_sized():
     """Each node was given its own split; the ring is node 0's, and node 1's
     rank loads node 0's layers for it."""

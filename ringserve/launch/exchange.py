@@ -37,6 +37,7 @@ SHAPE_KEY = "ringserve/shape"  # [ranks, nodes] of node 0's ring
 JOINED_KEY = "ringserve/joined"  # per node: empty when it joins, else why it refuses
 BUDGETS_KEY = "ringserve/budgets"  # each node's measured budgets, for node 0's plan
 ASK_KEY = "ringserve/budgets-asked"  # whether node 0 plans from them
+CLAIM_KEY = "ringserve/node"  # per node rank: how many nodes came as it (one may)
 POLL_S = 0.1
 QUIET_S = 2.0  # a wait longer than this says what it waits for
 
@@ -78,6 +79,12 @@ class RingExchange:
             )
             self.store.set(f"{JOINED_KEY}/{node_rank}", why.encode())
             raise UserError(f"{why}: start every node with the same ring")
+        if node_rank != 0 and self.store.add(f"{CLAIM_KEY}/{node_rank}", 1) > 1:
+            raise UserError(
+                f"node rank {node_rank} has already joined node 0's ring exchange at {self.where}: "
+                "give each node its own --node-rank (a node started again joins a node 0 "
+                "started again)"
+            )
 
     def _wait_until_served(self, host: str, port: int) -> None:
         """Wait for node 0's exchange to listen (torch's own connect retries
