@@ -708,6 +708,25 @@ async def test_failed_ring_answers_503_to_health_and_to_requests(server: Server)
 
 
 @pytest.mark.timeout(30)
+async def test_a_request_cut_off_by_a_shutdown_is_503() -> None:
+    from ringserve.http.submission import SHUTTING_DOWN
+
+    async with serving() as stopped:
+        body = {"prompt": PROMPT, "max_tokens": 480, **GREEDY}
+        asking = asyncio.create_task(stopped.post("/v1/completions", body))
+        while not stopped.conductor.handles:
+            await asyncio.sleep(0.01)
+        # the server's own stop (http/server.py): drain, stop the conductor, end the rest
+        await stopped.conductor.drain(0.0)
+        for task in stopped.conductor._tasks:
+            task.cancel()
+        stopped.conductor.desk.fail_all(SHUTTING_DOWN)
+        status, answer = await asking
+    assert status == 503 and answer["error"]["code"] == "server_shutting_down", answer
+    assert "shutting down" in answer["error"]["message"]
+
+
+@pytest.mark.timeout(30)
 async def test_ring_failure_mid_stream_ends_the_stream_with_an_error_event(
     server: Server,
 ) -> None:

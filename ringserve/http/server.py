@@ -11,6 +11,7 @@ from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
 from ringserve.http.options import HttpOptions
+from ringserve.http.submission import SHUTTING_DOWN
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +50,6 @@ async def serve(
     running.cancel()
     stopping.cancel()
     if conductor.failure is None:  # a failed ring has ended its requests already
-        conductor.desk.fail_all("the server is shutting down")
+        conductor.desk.fail_all(SHUTTING_DOWN)
     await runner.cleanup()
     return reason

@@ -26,6 +26,8 @@ from ringserve.http.responses import PromptTokensDetails, Usage
 from ringserve.params import RequestOutput, SamplingParams
 from ringserve.sched.scheduler import PromptTooLong
 
+SHUTTING_DOWN = "the server is shutting down"  # the end of requests cut off by a stop
+
 log = structlog.get_logger(__name__)
 
 WATCH_INTERVAL_S = 0.1
@@ -145,6 +147,8 @@ class Submission:
             return ApiError(503, f"not started: {why}", code="queue_timeout")
         if why.startswith(GRAMMAR_FAILED):  # the request's own constraints: its fault
             return ApiError(400, why, code="grammar_failed")
+        if why == SHUTTING_DOWN:  # nothing failed: ask elsewhere, or again
+            return ApiError(503, f"not finished: {why}", code="server_shutting_down")
         status = 503 if self.conductor.failure is not None else 500
         return ApiError(status, f"generation failed: {why}")
 
