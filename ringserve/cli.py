@@ -403,6 +403,8 @@ def _given_away(own: EngineConfig, ring: EngineConfig) -> str:
 
 
 def _flag_value(value: object) -> str:
+    if value is None:  # not given there: the model's or the engine's own
+        return "not given"
     if isinstance(value, tuple):
         return ",".join(map(str, value))
     return str(value)

@@ -283,3 +283,18 @@ def test_ctrl_c_is_one_line_and_exit_130():
             proc.kill()
             proc.wait()
     assert proc.returncode == 130 and err.strip() == "ringserve: interrupted", err
+
+
+def test_a_node_says_which_of_its_settings_node_0_replaced_in_words():
+    from ringserve.cli import _given_away
+    from ringserve.config import EngineConfig
+    from ringserve.models.builtin import builtin_model_dir
+
+    model = builtin_model_dir()
+    mine = EngineConfig(model_dir=model, max_model_len=512, dtype="bfloat16")
+    node0 = EngineConfig(model_dir=model)
+    said = _given_away(mine, node0)
+    assert (
+        said == "--max-model-len 512 (node 0: not given), --dtype bfloat16 (node 0: float32)"
+        or (said == "--dtype bfloat16 (node 0: float32), --max-model-len 512 (node 0: not given)")
+    ), said
