@@ -424,7 +424,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     sized, plan = size_ring(config, args.pp, budgets)
     if plan is None:
-        raise UserError("a plan is made from budgets: drop --layer-split (the planner picks it)")
+        raise UserError(
+            "ringserve plan picks the layer split itself, from --rank-memory-mib or from each "
+            "rank's measured memory: drop --layer-split"
+        )
     print(_devices(placement(sized.device, args.pp)))
     print(plan.table())
     return 0
@@ -484,7 +487,9 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-port", type=int, default=None)
     launch.set_defaults(run=_launch)
     plan = sub.add_parser(
-        "plan", help="print the memory plan for --rank-memory-mib", parents=[debug]
+        "plan",
+        help="print the plan: layer split, KV capacity and stage times, from --rank-memory-mib or each rank's measured memory",
+        parents=[debug],
     )
     _engine_args(plan)
     plan.set_defaults(run=_plan)

@@ -52,7 +52,9 @@ def load(log_dir: str | Path) -> Trace:
     root = Path(log_dir)
     files = {int(m.group(1)): p for p in root.glob("rank*.jsonl") if (m := _FILE.fullmatch(p.name))}
     if not files:
-        raise ValueError(f"no rank*.jsonl logs in {root} (run with --log-dir / log_dir=)")
+        raise ValueError(
+            f"no rank*.jsonl logs in {root} (serve with --log-dir DIR, or give LLM a log directory)"
+        )
     notes: list[str] = []
     problems: list[Finding] = []
     ranks = {r: _read(r, files[r], notes, problems) for r in sorted(files)}
