@@ -494,7 +494,12 @@ def parser() -> argparse.ArgumentParser:
     _engine_args(plan)
     plan.set_defaults(run=_plan)
     replay = sub.add_parser("replay", help="check the logs of a run", parents=[debug])
-    replay.add_argument("log_dir")
+    replay.add_argument(
+        "log_dirs",
+        nargs="+",
+        metavar="LOG_DIR",
+        help="the --log-dir of the run; one per node of a ring over several nodes",
+    )
     replay.add_argument("--json", action="store_true", help="machine-readable report")
     replay.set_defaults(run=_replay)
     bench = sub.add_parser(

@@ -100,6 +100,30 @@ def copied(clean_run, tmp_path) -> Path:
 
 
 @pytest.mark.timeout(120)
+def test_a_run_logged_on_two_nodes_replays_from_both_directories(clean_run, tmp_path):
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    for node, ranks in ((node0, (0, 1)), (node1, (2,))):
+        node.mkdir()
+        for r in ranks:
+            shutil.copy(clean_run / f"rank{r}.jsonl", node)
+    report = replay(node0, node1)
+    assert report.consistent, report.render()
+    assert report.world == 3 and report.log_dir == f"{node0}, {node1}"
+    alone = replay(node0)
+    (missing,) = [f for f in alone.findings if f.kind == "log.missing"]
+    assert missing.message.endswith("(on several nodes: give every node's log directory)")
+    assert alone.render().splitlines()[1].startswith("  logs       rank 2 has no log in")
+    shutil.copy(clean_run / "rank2.jsonl", node0)
+    with pytest.raises(ValueError, match="rank 2 has a log in .* and in "):
+        replay(node0, node1)
+    result = subprocess.run(
+        [sys.executable, "-m", "ringserve", "replay", str(node1), str(clean_run)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "rank 2 has a log in" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(120)
 def test_a_clean_run_replays_consistent_with_the_scheduler_rerun(clean_run):
     report = replay(clean_run)
     assert report.consistent, report.render()
@@ -166,7 +190,7 @@ def test_a_wedged_run_is_named_with_its_wait_for_chain(tmp_path, monkeypatch, ca
         assert "pass 20" in conductor.health.reason
     finally:
         close_and_check(llm)
-    code = main(argparse.Namespace(log_dir=str(tmp_path), json=False))
+    code = main(argparse.Namespace(log_dirs=[str(tmp_path)], json=False))
     out = capsys.readouterr().out
     assert code == 1
     assert "pass 20 has no terminal" in out

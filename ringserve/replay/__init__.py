@@ -29,10 +29,11 @@ from ringserve.replay.trace import load
 __all__ = ["Finding", "Report", "Wait", "Wedge", "main", "replay"]
 
 
-def replay(log_dir: str | Path) -> Report:
-    """Check the run logged under `log_dir`. Raises ValueError when there
-    is no rank log there."""
-    trace = load(log_dir)
+def replay(*log_dirs: str | Path) -> Report:
+    """Check the run logged under `log_dirs` (one directory, or one per
+    node of a ring over several). Raises ValueError when there is no rank
+    log there."""
+    trace = load(*log_dirs)
     t = terminals(trace)
     message_findings, messages = check_messages(trace)
     summary, rerun_findings = rerun_scheduler(trace)
@@ -44,7 +45,7 @@ def replay(log_dir: str | Path) -> Report:
         *rerun_findings,
     ]
     return Report(
-        log_dir=str(trace.log_dir),
+        log_dir=trace.log_dir,
         world=trace.world,
         passes=len(t.made),
         requests=len(trace.events(0, "request.arrival")),
@@ -60,8 +61,8 @@ def replay(log_dir: str | Path) -> Report:
 
 
 def main(args: argparse.Namespace) -> int:
-    """The `replay` subcommand: `args.log_dir`, `args.json`."""
-    report = replay(args.log_dir)
+    """The `replay` subcommand: `args.log_dirs`, `args.json`."""
+    report = replay(*args.log_dirs)
     if getattr(args, "json", False):
         doc = {"consistent": report.consistent, **msgspec.to_builtins(report)}
         print(msgspec.json.format(msgspec.json.encode(doc), indent=2).decode())

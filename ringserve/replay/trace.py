@@ -24,7 +24,7 @@ class Trace:
     them; `world` is the ring size rank 0 recorded (else the highest rank
     with a log, plus one)."""
 
-    log_dir: Path
+    log_dir: str  # the directories read, as given
     ranks: dict[int, list[Event]]
     world: int
     notes: list[str] = field(default_factory=list)
@@ -46,14 +46,27 @@ class Trace:
         return sorted(every, key=lambda e: (e.get("t", 0.0), e.get("rank", 0)))
 
 
-def load(log_dir: str | Path) -> Trace:
-    """Read `rank*.jsonl` under `log_dir`. Raises ValueError when there is
-    no rank log there at all."""
-    root = Path(log_dir)
-    files = {int(m.group(1)): p for p in root.glob("rank*.jsonl") if (m := _FILE.fullmatch(p.name))}
+def load(*log_dirs: str | Path) -> Trace:
+    """Read `rank*.jsonl` under each of `log_dirs` (a ring over several
+    nodes logs into one directory per node). Raises ValueError when there is
+    no rank log in them at all, or when one rank's log is in two of them."""
+    roots = [Path(d) for d in log_dirs]
+    shown = ", ".join(map(str, roots))
+    files: dict[int, Path] = {}
+    for root in roots:
+        for path in sorted(root.glob("rank*.jsonl")):
+            if (m := _FILE.fullmatch(path.name)) is None:
+                continue
+            rank = int(m.group(1))
+            if rank in files and files[rank].resolve() != path.resolve():
+                raise ValueError(
+                    f"rank {rank} has a log in {files[rank].parent} and in {root}: give each "
+                    "node's log directory once, one per node"
+                )
+            files[rank] = path
     if not files:
         raise ValueError(
-            f"no rank*.jsonl logs in {root} (serve with --log-dir DIR, or give LLM a log directory)"
+            f"no rank*.jsonl logs in {shown} (serve with --log-dir DIR, or give LLM a log directory)"
         )
     notes: list[str] = []
     problems: list[Finding] = []
@@ -62,10 +75,11 @@ def load(log_dir: str | Path) -> Trace:
     world = int(config["world"]) if config is not None else max(ranks) + 1
     for r in range(world):
         if r not in ranks:
+            where = "" if len(roots) > 1 else " (on several nodes: give every node's log directory)"
             problems.append(
-                Finding("logs", "log.missing", f"rank {r} has no log in {root}", rank=r)
+                Finding("logs", "log.missing", f"rank {r} has no log in {shown}{where}", rank=r)
             )
-    return Trace(root, ranks, world, notes, problems)
+    return Trace(shown, ranks, world, notes, problems)
 
 
 def _read(rank: int, path: Path, notes: list[str], problems: list[Finding]) -> list[Event]:
