@@ -299,13 +299,16 @@ def _check_launch(args: argparse.Namespace) -> None:
             raise UserError(f"--log-dir {args.log_dir}: {exc.strerror}") from None
         if not os.access(args.log_dir, os.W_OK):
             raise UserError(f"--log-dir {args.log_dir}: not writable")
-    from ringserve.ring.faults import ENV_VAR, FaultPlan
+    from ringserve.logs import say
+    from ringserve.ring.faults import ENV_VAR, FaultPlan, never_fire
 
     for rank in range(max(args.pp, 1)):
         try:
             FaultPlan.from_env(rank)
         except ValueError as exc:
             raise UserError(f"{ENV_VAR}: {exc}") from None
+    for why in never_fire(os.environ.get(ENV_VAR, ""), max(args.pp, 1)):
+        say(f"{ENV_VAR}: this rule can never fire: {why}")
 
 
 def _check_pp(args: argparse.Namespace) -> None:

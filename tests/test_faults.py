@@ -108,3 +108,39 @@ def test_slow_per_layer_sleeps_in_proportion_to_the_layers_held() -> None:
     flat = FaultPlan.parse("slow:rank=1:ms=25", rank=1)
     assert flat.slow_s(1) == flat.slow_s(7) == pytest.approx(0.025)
     assert FaultPlan.parse("", rank=1).slow_s(5) == 0
+
+
+def test_rules_that_can_never_fire_on_the_ring_are_named() -> None:
+    from ringserve.ring.faults import never_fire
+
+    spec = (
+        "drop:rank=1:kind=hidden:pass=3,drop:rank=0:kind=output:pass=1,"
+        "crash:rank=5:pass=2,drop:rank=1:kind=output:pass=2,drop:rank=0:kind=hidden:pass=1"
+    )
+    said = never_fire(spec, 2)
+    assert said == [
+        "drop:rank=1:kind=hidden:pass=3: the last rank sends no hidden "
+        "(it sends output, void, control)",
+        "drop:rank=0:kind=output:pass=1: rank 0 sends no output (it sends decision, hidden, control)",
+        "crash:rank=5:pass=2: a ring of 2 ranks has no rank 5",
+    ]
+    assert never_fire("drop:rank=0:kind=decision:pass=0", 1) == [
+        "drop:rank=0:kind=decision:pass=0: a ring of one rank sends no messages"
+    ]
+    assert never_fire("drop:rank=1:kind=hidden:pass=3,void:rank=2:every=5", 3) == []
+
+
+def test_launch_says_which_rules_can_never_fire(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RINGSERVE_FAULTS": "drop:rank=1:kind=hidden:pass=3"}
+    # a split that does not fit ends the launch right after the check, before any rank starts
+    cmd = [sys.executable, "-m", "ringserve", "launch", "--pp", "2", "--layer-split", "9,9"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert (
+        "RINGSERVE_FAULTS: this rule can never fire: drop:rank=1:kind=hidden:pass=3: the last "
+        "rank sends no hidden" in result.stderr
+    ), result.stderr

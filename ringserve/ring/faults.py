@@ -66,6 +66,32 @@ def parse_rules(spec: str) -> tuple[FaultRule, ...]:
     return tuple(_parse_rule(text.strip()) for text in spec.split(",") if text.strip())
 
 
+def never_fire(spec: str, world: int) -> list[str]:
+    """Why each rule of `spec` (already valid) can never act on a ring of
+    `world` ranks: a rank that is not there, or a message its rank never
+    sends (a drill that would silently inject nothing)."""
+    said = []
+    for text in (t.strip() for t in spec.split(",")):
+        if not text:
+            continue
+        rule = _parse_rule(text)
+        if rule.rank >= world:
+            said.append(f"{text}: a ring of {world} ranks has no rank {rule.rank}")
+        elif rule.kind is not None:
+            tag = rule.kind.__struct_config__.tag
+            sent = _SENT_BY_LAST if rule.rank == world - 1 else _SENT_BEFORE_LAST
+            if world == 1:
+                said.append(f"{text}: a ring of one rank sends no messages")
+            elif tag not in sent:
+                where = "the last rank" if rule.rank == world - 1 else f"rank {rule.rank}"
+                said.append(f"{text}: {where} sends no {tag} (it sends {', '.join(sent)})")
+    return said
+
+
+_SENT_BY_LAST = ("output", "void", "control")  # terminals to rank 0, controls on round
+_SENT_BEFORE_LAST = ("decision", "hidden", "control")
+
+
 def _parse_rule(text: str) -> FaultRule:
     action, *pairs = text.split(":")
     if action not in _KEYS:
