@@ -329,8 +329,11 @@ def _launch(args: argparse.Namespace) -> int:
     node = NodeSpec(
         args.pp, args.nnodes, args.node_rank, args.master_addr, args.master_port or free_port()
     )
-    # node 0's exchange serves the other nodes for as long as this call runs
-    config, _exchange = _sized_for_node(config, node, budgets)
+    # node 0's exchange serves the other nodes for as long as this call runs,
+    # and the other nodes watch it: ranks still joining a ring whose node 0
+    # is gone would wait out the rendezvous
+    config, exchange = _sized_for_node(config, node, budgets)
+    node0 = exchange.answers if exchange is not None and node.node_rank != 0 else None
     # vLLM's default: the name the model was asked for (a Hub id, not its snapshot hash)
     name = args.served_model_name
     if name is None and args.model is not None and not Path(args.model).is_dir():
@@ -343,7 +346,7 @@ def _launch(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
     )
-    return launch(node, config, http, args.log_dir)
+    return launch(node, config, http, args.log_dir, node0)
 
 
 def _sized_for_node(

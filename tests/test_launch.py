@@ -270,6 +270,28 @@ def test_a_second_node_with_the_same_node_rank_is_refused_and_the_ring_serves():
             node.stop()
 
 
+def test_a_node_whose_node_0_stops_before_the_ring_is_up_ends_within_seconds():
+    """Node 0 stopped while its ranks still start: the other node's ranks,
+    joining the rendezvous, would wait out its timeout (two minutes); its
+    launcher sees node 0's exchange gone and ends them."""
+    nodes = ("--pp", "2", "--nnodes", "2", "--master-port", two_node_ports(), *COMMON)
+    second = Launched(*nodes, "--node-rank", "1", expect_ready=False)
+    first = Launched(*nodes, "--node-rank", "0", expect_ready=False)
+    try:
+        first.wait_for("started rank 0", 120)
+        second.wait_for("started rank 1", 30)
+        first.proc.send_signal(signal.SIGINT)
+        first.proc.wait(20)
+        second.proc.wait(20)
+        assert second.proc.returncode == 0, second.output()
+        assert "node 0 is gone" in second.output(), second.output()
+        assert "frame #" not in second.output(), second.output()
+        assert not any(pid_alive(p) for p in second.ranks.values())
+    finally:
+        first.stop()
+        second.stop()
+
+
 def test_a_second_node_takes_the_ring_node_0_sized():
     """Each node was given its own split; the ring is node 0's, and node 1's
     rank loads node 0's layers for it."""

@@ -86,18 +86,20 @@ class RingExchange:
                 "started again)"
             )
 
+    def answers(self) -> bool:
+        """Whether node 0's exchange listens, as it does while node 0's
+        launcher runs (a connection opened and closed, no store request)."""
+        host, _, port = self.where.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
     def _wait_until_served(self, host: str, port: int) -> None:
         """Wait for node 0's exchange to listen (torch's own connect retries
         in C++, deaf to Ctrl-C, and prints a stack at each retry)."""
-
-        def answers() -> bool:
-            try:
-                with socket.create_connection((host, port), timeout=1.0):
-                    return True
-            except OSError:
-                return False
-
-        if not self._poll(answers, f"node 0's ring exchange at {self.where}"):
+        if not self._poll(self.answers, f"node 0's ring exchange at {self.where}"):
             raise UserError(
                 f"node 0's ring exchange at {self.where} did not answer within "
                 f"{self.timeout_s:.0f} s: is node 0 started, with this --master-addr and "

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ringserve.http.options import HttpOptions
 from ringserve.launch.processes import (
     EXIT_LINK_FAILED,
     child_command,
+    child_env,
     describe_exit,
     stop_processes,
 )
@@ -56,14 +58,30 @@ class NodeSpec:
 RING_SHUTDOWN_S = 6.0
 
 
+# On a node without rank 0: how often node 0's ring exchange is asked
+# whether it still answers, and how long its silence may last before this
+# node's ranks are ended (rank 0's orderly shutdown ends them sooner).
+NODE0_CHECK_S = 1.0
+NODE0_GONE_S = 3.0
+
+
 class Launcher:
     """Invariant: `procs` holds every rank process this node started; after
-    `stop()` each has exited."""
+    `stop()` each has exited. `node0` (a node without rank 0): whether node
+    0's launcher still runs."""
 
     def __init__(
-        self, node: NodeSpec, config: EngineConfig, http: HttpOptions, log_dir: str | None
+        self,
+        node: NodeSpec,
+        config: EngineConfig,
+        http: HttpOptions,
+        log_dir: str | None,
+        node0: Callable[[], bool] | None = None,
     ) -> None:
         self.node, self.config, self.http, self.log_dir = node, config, http, log_dir
+        self.node0 = node0
+        self._node0_checked = time.monotonic()
+        self._node0_silent_since: float | None = None
         self.procs: dict[int, subprocess.Popen] = {}
         self.ready_file = Path(tempfile.mkdtemp(prefix="ringserve-")) / "ready"
         self.stopping = False
@@ -84,7 +102,7 @@ class Launcher:
                 cmd += ["--ready-file", str(self.ready_file)]
             layers = layer_range(list(self.config.layer_split or ()), rank)
             self.procs[rank] = proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, start_new_session=True
+                cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_env()
             )
             say(f"started rank {rank} (layers {layers.start}-{layers.stop - 1}, pid {proc.pid})")
 
@@ -99,6 +117,13 @@ class Launcher:
             exited = {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
             if exited:
                 return self._end(exited)
+            if self._node0_gone():
+                say(
+                    f"node 0 is gone (its ring exchange has not answered for {NODE0_GONE_S:.0f} s); "
+                    "ending this node's ranks"
+                )
+                self.stop(grace_s=0.0)
+                return 0
             if time.monotonic() > self.stop_deadline:  # a wedged rank 0 may never get there
                 say(
                     f"the ring did not shut down within {RING_SHUTDOWN_S:.0f} s; stopping every rank"
@@ -106,6 +131,20 @@ class Launcher:
                 self.stop(grace_s=0.0)
                 return 0
             time.sleep(0.1)
+
+    def _node0_gone(self) -> bool:
+        """Whether node 0's exchange has been silent for NODE0_GONE_S (asked
+        every NODE0_CHECK_S); never on node 0."""
+        now = time.monotonic()
+        if self.node0 is None or now - self._node0_checked < NODE0_CHECK_S:
+            return False
+        self._node0_checked = now
+        if self.node0():
+            self._node0_silent_since = None
+            return False
+        if self._node0_silent_since is None:
+            self._node0_silent_since = now
+        return now - self._node0_silent_since >= NODE0_GONE_S
 
     def _end(self, exited: dict[int, int | None]) -> int:
         time.sleep(0.3)  # let a cascade of link failures show its first cause
@@ -144,8 +183,16 @@ class Launcher:
         stop_processes(list(self.procs.values()), grace_s)
 
 
-def launch(node: NodeSpec, config: EngineConfig, http: HttpOptions, log_dir: str | None) -> int:
-    launcher = Launcher(node, config, http, log_dir)
+def launch(
+    node: NodeSpec,
+    config: EngineConfig,
+    http: HttpOptions,
+    log_dir: str | None,
+    node0: Callable[[], bool] | None = None,
+) -> int:
+    """Run this node's ranks until they end; `node0` on the other nodes:
+    whether node 0's launcher still runs (see `Launcher`)."""
+    launcher = Launcher(node, config, http, log_dir, node0)
     signal.signal(signal.SIGINT, launcher.request_stop)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     try:

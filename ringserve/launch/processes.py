@@ -60,6 +60,14 @@ def child_command(spec: RankSpec, config: EngineConfig) -> list[str]:
     ]  # fmt: skip
 
 
+def child_env() -> dict[str, str]:
+    """A rank process's environment: this one's, with torch's C++ warnings
+    off unless asked for (`TORCH_CPP_LOG_LEVEL`): a rendezvous retry cut
+    short by a stop prints a whole C++ stack, which says nothing a rank's
+    own lines do not."""
+    return {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,7 +82,7 @@ class RankProcesses:
         for spec in specs:
             cmd = child_command(spec, config) + (["--log-dir", log_dir] if log_dir else [])
             self.procs[spec.rank] = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, start_new_session=True
+                cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_env()
             )
 
     def culprit(self) -> str | None:
