@@ -59,7 +59,7 @@ async def test_a_request_beyond_the_waiting_bound_gets_429_and_the_server_carrie
                 assert resp.headers["Retry-After"] == "1"
                 error = (await resp.json())["error"]
             assert error["type"] == "requests" and error["code"] == "rate_limit_exceeded"
-            assert "1 requests are waiting" in error["message"]
+            assert "1 requests are waiting for admission" in error["message"]
             client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
             with pytest.raises(openai.RateLimitError) as refused:
                 await client.completions.create(model="ringserve-builtin", prompt=PROMPT)
@@ -147,3 +147,24 @@ def test_the_queue_options_are_validated_and_passed_on_by_the_cli() -> None:
     assert config.max_waiting_requests == 7 and config.queue_timeout_s == 2.5
     default = _config(parser().parse_args(["launch"]))
     assert default.max_waiting_requests is None and default.queue_timeout_s is None
+
+
+@pytest.mark.timeout(60)
+async def test_a_retracted_request_back_in_the_queue_does_not_count_against_its_bound() -> None:
+    """Two requests outgrow the pool: one is retracted into the queue, work
+    already taken on; a new request is still let in under a bound of one."""
+    long = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    async with serving(max_batch=2, max_waiting_requests=1, kv_capacity_tokens=640) as server:
+        scheduler = server.conductor.scheduler
+        both = []
+        for running in (1, 2):  # one at a time: the bound of one holds each at its turn
+            both.append(asyncio.create_task(server.post("/v1/completions", long)))
+            async with asyncio.timeout(10):
+                while len(scheduler.running) < running:
+                    await asyncio.sleep(0.002)
+        async with asyncio.timeout(30):
+            while not any(r.admitted for r in scheduler.waiting):
+                await asyncio.sleep(0.002)
+        status, body = await server.post("/v1/completions", SHORT)
+        assert status == 200, body
+        assert [s for s, _ in await asyncio.gather(*both)] == [200, 200]

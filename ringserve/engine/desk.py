@@ -4,7 +4,7 @@ to the handles they belong to, and retires a handle once its request is
 done. It keeps the serving metrics, counted where the events happen.
 
 The desk bounds the queue: a request that finds `max_waiting` requests
-already waiting is refused (`QueueFull`) before it is numbered, so it leaves
+waiting for their first admission is refused (`QueueFull`) before it is numbered, so it leaves
 no trace; one still waiting `queue_timeout_s` after it came is aborted with
 the reason, through the scheduler's abort, which the log records as an
 input of the scheduler re-run (ringserve replay), so the re-run repeats it.
@@ -52,7 +52,8 @@ class QueueFull(Exception):
 
     def __init__(self, waiting: int, limit: int) -> None:
         super().__init__(
-            f"{waiting} requests are waiting, the most this server queues is {limit}; "
+            f"{waiting} requests are waiting for admission, the most this server queues is "
+            f"{limit}; "
             f"retry after {RETRY_AFTER_S} s"
         )
         self.retry_after_s = RETRY_AFTER_S
@@ -102,7 +103,9 @@ class RequestDesk:
         )
         carried(params, prompt)
         grammar = self._grammar(params)
-        waiting = len(self.scheduler.waiting)
+        # the bound is on requests never admitted: a retracted one, back in
+        # the queue, is work already taken on
+        waiting = sum(not r.admitted for r in self.scheduler.waiting)
         if self.max_waiting is not None and waiting >= self.max_waiting:
             self.metrics.requests_rejected += 1
             log.info("request.rejected", waiting=waiting, limit=self.max_waiting)
