@@ -196,6 +196,9 @@ def test_two_launchers_act_as_two_nodes(stop_node):
             assert other.proc.returncode == 0, other.output()
             assert "rank 0 shut the ring down" in other.output()
         else:  # node 0 lost rank 1 with node 1: the cause is there
+            assert "stopping: this node's ranks end once rank 0 shuts the ring down" in (
+                stopped.output()
+            ), stopped.output()
             said = other.wait_for("ending the group", 10)
             assert "its ring failed: a link to a neighbour ended" in said, said
             assert "likely on another node" in said, said

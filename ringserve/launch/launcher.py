@@ -56,6 +56,7 @@ class NodeSpec:
 # launcher stops every rank itself (SIGTERM: each flushes its log and ends;
 # SIGKILL after `processes.stop_processes`' grace).
 RING_SHUTDOWN_S = 6.0
+STOP_GRACE_S = 6.0  # how long ranks asked to stop may take before SIGTERM
 
 
 # On a node without rank 0: how often node 0's ring exchange is asked
@@ -172,14 +173,21 @@ class Launcher:
         if not self.stopping:
             self.stop_deadline = time.monotonic() + RING_SHUTDOWN_S
         self.stopping = True
-        if 0 not in self.procs or self.procs[0].poll() is not None:
-            self.stop()  # another node's ranks end with rank 0's SHUTDOWN, or after the grace
+        if 0 not in self.procs:
+            # this node's ranks end with rank 0's SHUTDOWN, if node 0 stops too
+            say(
+                "stopping: this node's ranks end once rank 0 shuts the ring down, "
+                f"or in {STOP_GRACE_S:.0f} s"
+            )
+            self.stop()
+        elif self.procs[0].poll() is not None:
+            self.stop()
         elif self.ready_file.exists():
             self.procs[0].send_signal(signal.SIGTERM)  # rank 0 shuts the ring down
         else:  # no ring yet (ranks still connecting or loading): each rank stops now
             self.stop(grace_s=0.0)
 
-    def stop(self, grace_s: float = 6.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         stop_processes(list(self.procs.values()), grace_s)
 
 
@@ -199,4 +207,4 @@ def launch(
         launcher.start()
         return launcher.supervise()
     finally:
-        launcher.stop(grace_s=0.5 if not launcher.stopping else 6.0)
+        launcher.stop(grace_s=0.5 if not launcher.stopping else STOP_GRACE_S)
