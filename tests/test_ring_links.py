@@ -365,3 +365,16 @@ def test_outputs_and_voids_share_one_lane_in_arrival_order(run) -> None:
         assert (await inbox.get(Hidden))[0] == Hidden(6)
 
     run(main())
+
+
+def test_a_gloo_failure_reads_as_what_happened_in_one_line():
+    from ringserve.ring.link import plain_reason
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+        "closed by peer [127.0.0.1]:64691. This is typically caused by a remote worker "
+        "crashing. Check the logs of the remote worker before reporting an error. GLHF! \U0001f3d6"
+    )
+    assert plain_reason(gloo) == "Connection closed by peer [127.0.0.1]:64691."
+    assert plain_reason(RuntimeError("the peer sent a bad frame")) == "the peer sent a bad frame"
+    assert plain_reason(RuntimeError("")) == "RuntimeError"

@@ -26,6 +26,7 @@ the process with `os._exit` once logs are flushed.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,8 +86,21 @@ def wait_works(works: list[dist.Work]) -> str | None:
         try:
             work.wait()
         except Exception as exc:  # gloo raises RuntimeError subclasses
-            reason = reason or str(exc)
+            reason = reason or plain_reason(exc)
     return reason
+
+
+# gloo's own words around what happened: the C++ source line ahead of it,
+# and advice after it (which ends with an emoji)
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+_GLOO_ADVICE = " This is typically caused by"
+
+
+def plain_reason(exc: BaseException) -> str:
+    """What a failed gloo call says happened, in one line: `Connection
+    closed by peer [127.0.0.1]:64691.`, not its source file and advice."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _GLOO_SOURCE.sub("", text).split(_GLOO_ADVICE, 1)[0].strip()
 
 
 def wait_all(pending: Pending) -> None:

@@ -16,7 +16,14 @@ from ringserve import logs
 from ringserve.ring import codec
 from ringserve.ring.announce import Announcements, Expectation
 from ringserve.ring.errors import LinkError
-from ringserve.ring.link import Pending, call_on_loop, log_message, tensor_tag, wait_all
+from ringserve.ring.link import (
+    Pending,
+    call_on_loop,
+    log_message,
+    plain_reason,
+    tensor_tag,
+    wait_all,
+)
 from ringserve.ring.messages import Hidden, Message
 
 if TYPE_CHECKING:
@@ -99,7 +106,7 @@ class RecvLink:
                 if not delivered:
                     return
         except Exception as exc:  # gloo errors and bad frames alike end the link
-            reason, failed = str(exc), True
+            reason, failed = plain_reason(exc), True
         call_on_loop(self._loop, self._end, reason, failed)
 
     def _deliver(self, received: list[tuple[Message, tuple[torch.Tensor, ...]]]) -> None:

@@ -19,7 +19,7 @@ from ringserve import logs
 from ringserve.ring import codec
 from ringserve.ring.announce import Announcements, Expectation
 from ringserve.ring.errors import LinkError
-from ringserve.ring.link import call_on_loop, log_message, tensor_tag, wait_works
+from ringserve.ring.link import call_on_loop, log_message, plain_reason, tensor_tag, wait_works
 from ringserve.ring.messages import Control, ControlKind, Hidden, Message
 
 if TYPE_CHECKING:
@@ -278,7 +278,7 @@ class SendLink:
             for buf, tag in out.parts:
                 works.append(self._group.send([buf], self.peer, tag))
         except RuntimeError as exc:
-            return works, str(exc)
+            return works, plain_reason(exc)
         return works, None
 
     def _complete(self, reason: str | None) -> bool:
