@@ -141,6 +141,47 @@ def test_greedy_with_a_draft_model_equals_transformers(copier, draft_dir, tmp_pa
     assert report.rerun.reproduced and report.rerun.decisions == report.passes
 
 
+def test_the_draft_stays_within_the_planned_pass_and_its_own_positions(
+    copier, draft_dir, tmp_path, monkeypatch
+):
+    """A request's first proposal catches the draft up on its whole prompt:
+    in forwards no larger than the largest pass (what the plan holds the
+    draft's activations for), never one forward of every prompt at once; and
+    a draft with fewer positions than the served context never runs past
+    them (a draft with learned positions would fail the pass: an index out
+    of range). Outputs stay the target's."""
+    import json
+    import shutil
+
+    from ringserve.engine import drafter as drafter_module
+
+    short = tmp_path / "short_draft"
+    shutil.copytree(draft_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 70
+    (short / "config.json").write_text(json.dumps(config))
+    real = drafter_module.ForwardBatch
+    forwards: list[tuple[int, int]] = []  # (longest row, tokens) of each draft forward
+
+    class Watched:
+        @staticmethod
+        def build(rows, sizes, *args, **kwargs):
+            forwards.append((max(map(len, rows)), sum(sizes)))
+            return real.build(rows, sizes, *args, **kwargs)
+
+    monkeypatch.setattr(drafter_module, "ForwardBatch", Watched)
+    path, prompts, expected = copier
+    assert max(len(p) for p in prompts) + NEW_TOKENS > 70
+    options = dict(ENGINE, speculative="draft", draft_model=str(short))
+    with LLM(path, **options) as llm:
+        forwards.clear()  # the boot audit's dry forward: the plan's own worst case
+        outs = llm.generate(prompts, GREEDY)
+        assert llm._ring.conductor.scheduler.speculation.stats.accepted > 0
+    assert [o.token_ids for o in outs] == expected
+    assert forwards and max(n for _, n in forwards) <= ENGINE["max_tokens_per_pass"], forwards
+    assert max(longest for longest, _ in forwards) <= 70, forwards
+
+
 def test_stop_token_inside_accepted_tokens_ends_the_request_there(copier):
     path, prompts, expected = copier
     stop = expected[0][NEW_TOKENS // 2]

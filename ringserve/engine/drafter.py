@@ -8,7 +8,12 @@ Per request the drafter keeps a row of its own slots for a prefix of the
 request's history, which only grows; a proposal first extends that row to
 the whole history (the tokens accepted since the last proposal, the
 newest included), then draws k - 1 more steps, and cuts the row back to the
-history, freeing the slots of its own guesses.
+history, freeing the slots of its own guesses. A row far behind its history
+(a request's first proposal, after its whole prompt) catches up in chunks,
+so no draft forward runs more than `max_tokens` tokens, the largest pass the
+memory plan holds the draft's activations for; and a request never has the
+draft write past the draft model's own positions (`max_positions`): one
+whose proposals would gets fewer, or none.
 """
 
 from __future__ import annotations
@@ -34,8 +39,17 @@ class Drafter:
         device: torch.device,
         native: CpuKernels | None = None,
         gather_limit: int | None = None,
+        *,
+        max_tokens: int,
+        max_positions: int,
     ) -> None:
+        if max_tokens < 1 or max_positions < 1:
+            raise ValueError(
+                f"max_tokens {max_tokens} and max_positions {max_positions} must be >= 1"
+            )
         self.model = model
+        self.max_tokens = max_tokens  # the most tokens one draft forward runs
+        self.max_positions = max_positions  # the draft model's positions
         self.native = native
         self.gather_limit = gather_limit  # see ForwardBatch.gather_limit
         self.pool = pool
@@ -57,7 +71,11 @@ class Drafter:
     @torch.inference_mode()
     def _propose(self, asks: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         taken: list[tuple[int, list[int], int, int]] = []  # req_id, history, k, start
-        for req_id, history, k in asks:
+        for req_id, history, asked in asks:
+            # the k-th proposal is drawn at position len(history) + k - 2
+            k = min(asked, self.max_positions - len(history) + 1)
+            if k < 1:
+                continue
             row = self.rows.setdefault(req_id, [])
             if len(row) >= len(history):  # asked again for one history: redo its last token
                 self.allocator.free(row[len(history) - 1 :])
@@ -72,7 +90,8 @@ class Drafter:
         if not taken:
             return {}
         drafts: dict[int, list[int]] = {r: [] for r, _, _, _ in taken}
-        feeds = [h[start:] for _, h, _, start in taken]
+        self._catch_up([(r, h[:-1], start) for r, h, _, start in taken])
+        feeds = [h[-1:] for _, h, _, _ in taken]
         for step in range(max(k for _, _, k, _ in taken)):
             live = [t for t in taken if t[2] > step]
             if step > 0:
@@ -87,6 +106,25 @@ class Drafter:
             self.allocator.free(row[len(history) :])
             del row[len(history) :]
         return drafts
+
+    def _catch_up(self, behind: list[tuple[int, list[int], int]]) -> None:
+        """Write the draft's KV of each (req_id, tokens, start)'s
+        tokens[start:] into its row, in forwards of at most `max_tokens`
+        tokens, no logits drawn."""
+        done = {r: start for r, _, start in behind}
+        left = [(r, t) for r, t, start in behind if len(t) > start]
+        while left:
+            rows, feeds, budget = [], [], self.max_tokens
+            for r, tokens in left:
+                if budget == 0:
+                    break
+                n = min(len(tokens) - done[r], budget)
+                rows.append(self.rows[r][: done[r] + n])
+                feeds.append(tokens[done[r] : done[r] + n])
+                done[r] += n
+                budget -= n
+            self._forward(rows, feeds, sample=False)
+            left = [(r, t) for r, t in left if done[r] < len(t)]
 
     @torch.inference_mode()
     def dry_run(self, tokens: int, rows: int) -> None:
@@ -103,15 +141,20 @@ class Drafter:
 
     def _step(self, rows: list[list[int]], feeds: list[list[int]]) -> list[int]:
         """One forward: each row extends by its feed; the argmax after each."""
+        return self._forward(rows, feeds, sample=True)
+
+    def _forward(self, rows: list[list[int]], feeds: list[list[int]], sample: bool) -> list[int]:
         batch = ForwardBatch.build(
             rows,
             [len(f) for f in feeds],
-            [True] * len(rows),
+            [sample] * len(rows),
             self.device,
             self.native,
             self.gather_limit,
         )
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)
         hidden = self.model(ids, batch, self.pool)
+        if not sample:
+            return []
         logits = self.model.logits(hidden[batch.sample_rows]).float()
         return torch.nan_to_num(logits, nan=float("-inf")).argmax(-1).tolist()

@@ -102,8 +102,21 @@ def build_drafter(config: EngineConfig, cfg: ModelConfig) -> Drafter | None:
     log.info("draft.loaded", layers=len(layers), pool_bytes=pool.nbytes)
     pack_weights(model, config, device)
     drafter = Drafter(
-        model, pool, device, cpu_kernels(config, device), gather_limit=config.max_tokens_per_pass
+        model,
+        pool,
+        device,
+        cpu_kernels(config, device),
+        gather_limit=config.max_tokens_per_pass,
+        max_tokens=config.max_tokens_per_pass,
+        max_positions=draft_cfg.context_limit,
     )
+    if draft_cfg.context_limit < cfg.context_limit:
+        log.info(
+            "draft.positions",
+            draft=draft_cfg.context_limit,
+            served=cfg.context_limit,
+            note="past the draft's positions a request is not drafted for",
+        )
     check_draft(config.plan, drafter, config.max_tokens_per_pass, config.max_batch)
     return drafter
 
