@@ -26,7 +26,7 @@ from ringserve.config import (
     EngineConfig,
     UserError,
     json_object,
-    speculative_options,
+    with_speculative_config,
 )
 
 if TYPE_CHECKING:
@@ -221,7 +221,9 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     if args.enforce_eager:
         given["enforce_eager"] = True
     if args.speculative_config:
-        given.update(_speculative_config(args.speculative_config))
+        given = with_speculative_config(
+            given, json_object(args.speculative_config, "--speculative-config")
+        )
     return EngineConfig(
         model_dir=model, prefix_reuse=not args.no_prefix_reuse, layer_split=split, **given
     )
@@ -267,10 +269,6 @@ def _check_node_0_ports(args: argparse.Namespace) -> None:
             + (" and the exchange on the port after it" if args.nnodes > 1 else "")
         )
     _check_port_free("0.0.0.0", args.master_port, "--master-port")
-
-
-def _speculative_config(text: str) -> dict[str, object]:
-    return speculative_options(json_object(text, "--speculative-config"))
 
 
 def _check_launch(args: argparse.Namespace) -> None:

@@ -233,6 +233,23 @@ class EngineConfig:
         return max(1, self.kv_capacity_tokens // KV_TOKENS_PER_WAITING)
 
 
+def with_speculative_config(given: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """`given` options with those of vLLM's `speculative_config` form added;
+    ValueError where both set one option to different values (which one
+    was meant cannot be told)."""
+    options = speculative_options(spec)
+    for name, value in options.items():
+        mine = given.get(name)
+        if name == "draft_model" and mine is not None:
+            mine = Path(mine)
+        if mine is not None and mine != value:
+            raise ValueError(
+                f"speculative_config sets {name} to {str(value)!r}, and {name} is given as "
+                f"{str(mine)!r}: give it once"
+            )
+    return {**given, **options}
+
+
 def speculative_options(spec: dict[str, Any]) -> dict[str, Any]:
     """EngineConfig options from vLLM's `speculative_config` form:
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,

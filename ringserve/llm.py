@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ringserve import logs
-from ringserve.config import EngineConfig, speculative_options
+from ringserve.config import EngineConfig, with_speculative_config
 from ringserve.launch.local_ring import LocalRing
 from ringserve.launch.progress import GenerateBar
 from ringserve.models.builtin import builtin_model_dir
@@ -71,7 +71,7 @@ class LLM:
             model_dir = resolve_model(model, revision) if model is not None else builtin_model_dir()
             split = tuple(layer_split) if layer_split is not None else None
             if speculative_config is not None:  # vLLM's form of the speculative options
-                engine_options = {**engine_options, **speculative_options(speculative_config)}
+                engine_options = with_speculative_config(engine_options, speculative_config)
             if engine_options.get("draft_model") is not None:
                 engine_options["draft_model"] = Path(engine_options["draft_model"])
             config = EngineConfig(

@@ -251,6 +251,20 @@ def test_launch_options_reach_the_engine_config():
     assert config().speculative_tokens == 0
     assert main(["launch", "--model", model, "--speculative", "draft"]) == 2
     assert main(["launch", "--model", model, "--speculative-config", "{nope"]) == 2
+    # the same option set two ways to two values: which was meant cannot be told
+    same = config("--speculative", "ngram", "--speculative-config", '{"method": "ngram"}')
+    assert same.speculative == "ngram"
+    for argv in (
+        ["--speculative", "ngram", "--speculative-config", '{"method": "draft", "model": "/x"}'],
+        ["--num-speculative-tokens", "3", "--speculative-config", '{"method": "ngram", '
+         '"num_speculative_tokens": 5}'],
+        ["--speculative", "draft", "--draft-model", "/a", "--speculative-config",
+         '{"method": "draft", "model": "/b"}'],
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match="give it once"):
+            config(*argv)
+    with pytest.raises(ValueError, match="sets draft_model to '/b'"):
+        LLM(draft_model="/a", speculative_config={"method": "draft", "model": "/b"})
 
 
 def test_a_stop_string_inside_one_pass_of_tokens_ends_the_output_there():
