@@ -766,6 +766,24 @@ async def test_metrics_expose_counters_and_kv_gauges(server: Server) -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_each_finish_reason_is_exported_before_its_first_request() -> None:
+    """A dashboard's panel of finished requests reads 0, not 'no data', on a
+    server that has not yet finished one for that reason."""
+    async with serving() as fresh:
+        _, text = await fresh.get("/metrics")
+        await fresh.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **GREEDY})
+        _, after = await fresh.get("/metrics")
+
+    def success(text: str, reason: str) -> float:
+        key = f'ringserve:request_success_total{{finished_reason="{reason}",model_name="{MODEL}"}}'
+        (line,) = [x for x in text.splitlines() if x.startswith(key + " ")]
+        return float(line.split()[-1])
+
+    assert [success(text, r) for r in ("stop", "length", "abort")] == [0, 0, 0]
+    assert [success(after, r) for r in ("stop", "length", "abort")] == [0, 1, 0]
+
+
+@pytest.mark.timeout(30)
 async def test_models_plan_and_openapi_describe_the_server() -> None:
     _, solved = size_ring(EngineConfig(model_dir=builtin_model_dir()), 1, [2000])
     plan = solved.to_dict()

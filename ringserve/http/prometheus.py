@@ -85,8 +85,12 @@ def _spec_at(field: str, base: int) -> Callable[[Conductor], dict[tuple[str, ...
     }
 
 
+FINISH_REASONS = ("abort", "length", "stop")  # vLLM's labels, each exported from the start
+
+
 def _finished(c: Conductor) -> dict[tuple[str, ...], float]:
-    return {(reason,): n for reason, n in sorted(c.metrics.finished.items())}
+    counts = {reason: 0 for reason in FINISH_REASONS} | dict(c.metrics.finished)
+    return {(reason,): n for reason, n in sorted(counts.items())}
 
 
 SERIES: tuple[Series, ...] = (
@@ -134,13 +138,13 @@ SERIES: tuple[Series, ...] = (
     Series(f"{VLLM}time_to_first_token_seconds", "histogram", "time to first token", lambda c: c.metrics.ttft),
     Series(f"{VLLM}time_per_output_token_seconds", "histogram", "time between output tokens", lambda c: c.metrics.tpot),
     Series(f"{VLLM}inter_token_latency_seconds", "histogram", "time between output tokens", lambda c: c.metrics.tpot),
-    Series(f"{VLLM}e2e_request_latency_seconds", "histogram", "request latency, arrival to last token", lambda c: c.metrics.e2e),
+    Series(f"{VLLM}e2e_request_latency_seconds", "histogram", "request latency, arrival to last token, per request that ended (failed ones too)", lambda c: c.metrics.e2e),
     Series(f"{VLLM}spec_decode_num_drafts_total", "counter", "decode steps that verified proposals", _spec("verifications")),
     Series(f"{VLLM}spec_decode_num_draft_tokens_total", "counter", "speculative tokens proposed", _spec("proposed")),
     Series(f"{VLLM}spec_decode_num_accepted_tokens_total", "counter", "speculative tokens accepted", _spec("accepted")),
     Series(f"{VLLM}spec_decode_num_accepted_tokens_per_pos_total", "counter", "accepted speculative tokens by position (from 0)", _spec_at("accepted_at", 0), ("position",)),
-    Series(f"{VLLM}request_prompt_tokens", "histogram", "prompt tokens per finished request", lambda c: c.metrics.prompt_lens),
-    Series(f"{VLLM}request_generation_tokens", "histogram", "generated tokens per finished request", lambda c: c.metrics.output_lens),
+    Series(f"{VLLM}request_prompt_tokens", "histogram", "prompt tokens per request that ended (failed ones too)", lambda c: c.metrics.prompt_lens),
+    Series(f"{VLLM}request_generation_tokens", "histogram", "generated tokens per request that ended (failed ones too)", lambda c: c.metrics.output_lens),
 )  # fmt: skip
 
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
