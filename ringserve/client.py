@@ -7,15 +7,20 @@
             print(text, end="")
 
 Keyword parameters are the API's own fields (`max_tokens`, `temperature`,
-`stop`, `seed`, ...) and are sent as given. A refusal raises `ApiError`
-with the server's status and message; an error reported in the middle of a
-stream (the status line already sent as 200) raises one with status 500.
+`stop`, `seed`, ...) and are sent as given. Every failure raises `ApiError`:
+a refusal with the server's status, message, code and headers (a 429's
+`Retry-After`); an error reported in the middle of a stream (the status
+line already sent as 200) with status 500 and the server's code; and
+`ConnectionFailed`, an `ApiError` too, when the server cannot be reached
+(503), stops answering for `timeout_s` (504), or drops the connection or
+answers with something that is not the API's (502) before the answer is
+whole.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -35,6 +40,7 @@ from ringserve.http.sse import data_payloads
 __all__ = [
     "ApiError",
     "AsyncClient",
+    "ConnectionFailed",
     "ChatCompletion",
     "Completion",
     "Generation",
@@ -43,6 +49,33 @@ __all__ = [
 
 T = TypeVar("T")
 Messages = Sequence[dict[str, Any]]
+
+
+class ConnectionFailed(ApiError):
+    """No whole answer came from the server: it could not be reached (503),
+    went quiet for longer than the client's timeout (504), or dropped the
+    connection or sent what is not the API's answer (502)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(status, message, code=code)
+
+
+@contextlib.contextmanager
+def _answering(url: str) -> Iterator[None]:
+    """Transport failures of a request to `url` as `ConnectionFailed`."""
+    try:
+        yield
+    except aiohttp.ClientConnectorError as exc:
+        raise ConnectionFailed(503, f"cannot reach {url}: {exc.os_error}", "unreachable") from exc
+    except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
+        raise ConnectionFailed(504, f"{url} did not answer in time", "timeout") from exc
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        why = str(exc) or type(exc).__name__
+        raise ConnectionFailed(502, f"the answer from {url} broke off: {why}", "broken") from exc
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise ConnectionFailed(
+            502, f"{url} answered what is not the API's: {exc}", "bad_answer"
+        ) from exc
 
 
 class AsyncClient:
@@ -57,7 +90,9 @@ class AsyncClient:
         timeout_s: float = 300.0,
         model: str | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        base = base_url.rstrip("/")
+        # the openai package's form (".../v1") names the same server
+        self.base_url = base.removesuffix("/v1")
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.model = model
@@ -72,7 +107,8 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Close the session; a stream another task is reading raises
-        `aiohttp.ClientConnectionError` (its request is aborted)."""
+        `ConnectionFailed` (its request is aborted). A later call opens a
+        new session."""
         for resp in list(self._streams):
             resp.content.set_exception(aiohttp.ClientConnectionError("the client was closed"))
             resp.close()
@@ -102,6 +138,8 @@ class AsyncClient:
         and the server aborts the request."""
         if params.get("n") not in (None, 1):
             raise ValueError("stream() follows one choice; use n=1")
+        if params.get("tools") and params.get("tool_choice") != "none":
+            raise ValueError("stream() yields text, and a tool call is not text: use chat()")
         chat = _is_messages(prompt)
         if chat:
             path, body = "/v1/chat/completions", self._body(messages=list(prompt), **params)
@@ -112,7 +150,8 @@ class AsyncClient:
         # the request on the server.
         async with contextlib.aclosing(self._events(path, body)) as events:
             async for event in events:
-                text = _chunk_text(event, chat)
+                with _answering(self.base_url + path):
+                    text = _chunk_text(event, chat)
                 if text:
                     yield text
 
@@ -122,11 +161,13 @@ class AsyncClient:
 
     async def health(self) -> Health:
         """The server's health; unhealthy (503) is an answer, not an error."""
-        async with self._http().get(self.base_url + "/health") as resp:
-            raw = await resp.read()
-            if resp.status not in (200, 503):
-                raise _error(resp.status, raw)
-            return msgspec.json.decode(raw, type=Health)
+        url = self.base_url + "/health"
+        with _answering(url):
+            async with self._http().get(url) as resp:
+                raw = await resp.read()
+                if resp.status not in (200, 503):
+                    raise _error(resp, raw)
+                return msgspec.json.decode(raw, type=Health)
 
     async def models(self) -> list[str]:
         listing = await self._get("/v1/models", ModelList)
@@ -151,32 +192,40 @@ class AsyncClient:
     async def _post(self, path: str, body: dict[str, Any], kind: type[T]) -> T:
         data = msgspec.json.encode(body)
         headers = {"Content-Type": "application/json"}
-        async with self._http().post(self.base_url + path, data=data, headers=headers) as resp:
-            return _decode(resp.status, await resp.read(), kind)
+        url = self.base_url + path
+        with _answering(url):
+            async with self._http().post(url, data=data, headers=headers) as resp:
+                return _decode(resp, await resp.read(), kind)
 
     async def _get(self, path: str, kind: type[T]) -> T:
-        async with self._http().get(self.base_url + path) as resp:
-            return _decode(resp.status, await resp.read(), kind)
+        url = self.base_url + path
+        with _answering(url):
+            async with self._http().get(url) as resp:
+                return _decode(resp, await resp.read(), kind)
 
     async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The JSON events of a server-sent stream, up to [DONE]."""
         data = msgspec.json.encode(body)
         headers = {"Content-Type": "application/json"}
-        async with self._http().post(self.base_url + path, data=data, headers=headers) as resp:
-            if resp.status != 200:
-                raise _error(resp.status, await resp.read())
-            self._streams.add(resp)
-            try:
-                async for payload in data_payloads(resp.content.iter_any()):
-                    if payload == b"[DONE]":
-                        return
-                    event = msgspec.json.decode(payload)
-                    if isinstance(event, dict) and "error" in event:
-                        raise _error(500, payload)
-                    yield event
-            finally:
-                self._streams.discard(resp)
-        raise ApiError(502, "the stream ended without [DONE]")
+        url = self.base_url + path
+        with _answering(url):
+            async with self._http().post(url, data=data, headers=headers) as resp:
+                if resp.status != 200:
+                    raise _error(resp, await resp.read())
+                self._streams.add(resp)
+                try:
+                    async for payload in data_payloads(resp.content.iter_any()):
+                        if payload == b"[DONE]":
+                            return
+                        event = msgspec.json.decode(payload)
+                        if not isinstance(event, dict):
+                            raise msgspec.ValidationError(f"an event of {type(event).__name__}")
+                        if "error" in event:
+                            raise _error(None, payload)
+                        yield event
+                finally:
+                    self._streams.discard(resp)
+        raise ConnectionFailed(502, f"the stream from {url} ended without [DONE]", "broken")
 
 
 def _not_streamed(params: dict[str, Any]) -> None:
@@ -192,18 +241,32 @@ def _chunk_text(event: dict[str, Any], chat: bool) -> str | None:
     return completion.choices[0].text if completion.choices else None
 
 
-def _decode(status: int, raw: bytes, kind: type[T]) -> T:
-    if status != 200:
-        raise _error(status, raw)
-    return msgspec.json.decode(raw, type=kind)
+def _decode(resp: aiohttp.ClientResponse, raw: bytes, kind: type[T]) -> T:
+    if resp.status != 200:
+        raise _error(resp, raw)
+    return msgspec.json.decode(raw, type=kind)  # DecodeError: not the API's (see _answering)
 
 
-def _error(status: int, raw: bytes) -> ApiError:
+def _error(resp: aiohttp.ClientResponse | None, raw: bytes) -> ApiError:
+    """The server's refusal (`resp` None: an error event of a stream, 500)."""
+    status = 500 if resp is None else resp.status
+    kept = {} if resp is None else {k: resp.headers[k] for k in _KEPT_HEADERS if k in resp.headers}
     try:
         detail = msgspec.json.decode(raw, type=ErrorBody).error
     except msgspec.DecodeError:
-        return ApiError(status, raw.decode(errors="replace") or f"HTTP {status}")
-    return ApiError(status, detail.message, type=detail.type, param=detail.param, code=detail.code)
+        text = raw.decode(errors="replace") or f"HTTP {status}"
+        return ApiError(status, text, headers=kept)
+    return ApiError(
+        status,
+        detail.message,
+        type=detail.type,
+        param=detail.param,
+        code=detail.code,
+        headers=kept,
+    )
+
+
+_KEPT_HEADERS = ("Retry-After",)  # what a caller acts on
 
 
 def _prompt(prompt: str | Sequence[int]) -> str | list[int]:

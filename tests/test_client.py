@@ -7,11 +7,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import aiohttp
 import msgspec
 import pytest
 
-from ringserve.client import ApiError, AsyncClient, ChatCompletion, Completion, Generation
+from ringserve.client import (
+    ApiError,
+    AsyncClient,
+    ChatCompletion,
+    Completion,
+    ConnectionFailed,
+    Generation,
+)
 from tests.test_http import GREEDY, MESSAGES, MODEL, PROMPT, Server, serving
 
 
@@ -160,7 +166,7 @@ async def test_close_ends_a_stream_another_task_reads(
     while len(got) < 3:
         await asyncio.sleep(0.01)
     await client.close()
-    with pytest.raises(aiohttp.ClientConnectionError, match="closed"):
+    with pytest.raises(ConnectionFailed, match="closed"):
         await asyncio.wait_for(reader, 10)
     await server.assert_no_kv_held()
 
@@ -178,3 +184,96 @@ async def test_stream_parameters_are_checked_before_sending(
         await anext(client.stream(PROMPT, n=2))
     # null is the default, as the server takes it
     assert [t async for t in client.stream(PROMPT, max_tokens=3, n=None, **GREEDY)]
+
+
+@contextlib.asynccontextmanager
+async def misbehaving() -> AsyncIterator[str]:
+    """A server that answers as no ringserve does: slowly, cut off, with a
+    page that is not the API's, or refusing with Retry-After."""
+    from aiohttp import web
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.json_response({})
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id": "cmpl-1", "obj')
+        request.transport.close()  # gone before [DONE], mid-answer
+        return resp
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text="<html>a proxy's page</html>", content_type="text/html")
+
+    async def odd_event(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: [1, 2]\n\n")
+        return resp
+
+    async def busy(request: web.Request) -> web.Response:
+        error = {"error": {"message": "queue full", "type": "requests", "param": None,
+                           "code": "rate_limit_exceeded"}}  # fmt: skip
+        return web.json_response(error, status=429, headers={"Retry-After": "1"})
+
+    app = web.Application()
+    app.router.add_post("/slow/v1/completions", slow)
+    app.router.add_post("/cut/v1/completions", cut)
+    app.router.add_post("/page/v1/completions", page)
+    app.router.add_post("/odd/v1/completions", odd_event)
+    app.router.add_post("/busy/v1/completions", busy)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.timeout(30)
+async def test_every_failure_is_an_api_error_with_what_went_wrong() -> None:
+    from tests.launched import free_port
+
+    async with AsyncClient(f"http://127.0.0.1:{free_port()}") as nobody:
+        with pytest.raises(ConnectionFailed) as failed:
+            await nobody.complete("hi")
+        assert (failed.value.status, failed.value.code) == (503, "unreachable")
+        with pytest.raises(ConnectionFailed, match="cannot reach"):
+            await nobody.health()
+    async with misbehaving() as url:
+        async with AsyncClient(url + "/slow", timeout_s=0.3) as client:
+            with pytest.raises(ConnectionFailed) as failed:
+                await client.complete("hi")
+            assert (failed.value.status, failed.value.code) == (504, "timeout")
+        async with AsyncClient(url + "/cut/v1/") as client:  # the openai package's form
+            with pytest.raises(ConnectionFailed) as failed:
+                _ = [t async for t in client.stream("hi")]
+            assert (failed.value.status, failed.value.code) == (502, "broken")
+        for where in ("/page", "/odd"):
+            async with AsyncClient(url + where) as client:
+                with pytest.raises(ConnectionFailed) as failed:
+                    if where == "/page":
+                        await client.complete("hi")
+                    else:
+                        _ = [t async for t in client.stream("hi")]
+                assert (failed.value.status, failed.value.code) == (502, "bad_answer")
+        async with AsyncClient(url + "/busy") as client:
+            with pytest.raises(ApiError) as refused:
+                await client.complete("hi")
+            assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+            assert refused.value.code == "rate_limit_exceeded"
+
+
+@pytest.mark.timeout(30)
+async def test_the_openai_packages_base_url_form_and_tools_in_a_stream(
+    served: tuple[Server, AsyncClient],
+) -> None:
+    server, _ = served
+    async with AsyncClient(server.url + "/v1/") as client:
+        assert (await client.complete(PROMPT, max_tokens=2, **GREEDY)).usage.completion_tokens == 2
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        with pytest.raises(ValueError, match="a tool call is not text: use chat"):
+            await anext(client.stream(MESSAGES, tools=tools, tool_choice="required"))
