@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -280,3 +281,13 @@ def speculative_options(spec: dict[str, Any]) -> dict[str, Any]:
     if options["speculative"] is None:
         raise ValueError("speculative_config needs a method (ngram or draft) or a model")
     return options
+
+
+def cache_dir() -> Path:
+    """Where ringserve keeps what it makes once (the built-in model, the CPU
+    kernels): `RINGSERVE_CACHE_DIR`, else `XDG_CACHE_HOME/ringserve`, else
+    `~/.cache/ringserve`."""
+    if os.environ.get("RINGSERVE_CACHE_DIR"):
+        return Path(os.environ["RINGSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ringserve"

@@ -39,6 +39,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from ringserve.config import cache_dir
 from ringserve.kernels.batch import ForwardBatch
 
 log = structlog.get_logger(__name__)
@@ -342,10 +343,7 @@ def _dense_rows(x: torch.Tensor) -> bool:
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("RINGSERVE_CACHE_DIR"):
-        return Path(os.environ["RINGSERVE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "ringserve"
+    return cache_dir()
 
 
 def _build(compiler: str, cache_dir: Path, target: tuple[str, ...]) -> Path:

@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from ringserve.config import UserError
+from ringserve.config import cache_dir as default_cache_dir
 from ringserve.models.builtin_text import CORPUS
 
 log = structlog.get_logger(__name__)
@@ -67,16 +69,21 @@ _HEAD_STD = 0.4
 
 
 def builtin_model_dir(cache_dir: str | Path | None = None) -> Path:
-    """The built-in model's directory, generating it on first use."""
-    if cache_dir is None:
-        env = os.environ.get("RINGSERVE_CACHE_DIR")
-        cache_dir = env if env else Path.home() / ".cache" / "ringserve"
-    root = Path(cache_dir)
+    """The built-in model's directory (under `config.cache_dir()` unless
+    given), generating it on first use; UserError when it cannot be
+    written there, naming the place and what to set."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / BUILTIN_VERSION
     if (final / "config.json").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_VERSION}.", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_VERSION}.", dir=root))
+    except OSError as exc:
+        raise UserError(
+            f"cannot write the built-in model into {root} ({exc.strerror}): set "
+            "RINGSERVE_CACHE_DIR (or XDG_CACHE_HOME) to a writable directory"
+        ) from None
     try:
         write_builtin_model(tmp)
         os.rename(tmp, final)
