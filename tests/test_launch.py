@@ -296,6 +296,18 @@ def test_a_node_whose_node_0_stops_before_the_ring_is_up_ends_within_seconds():
         second.stop()
 
 
+def test_an_ipv6_host_is_served_at_a_url_that_names_it_in_brackets():
+    launched = Launched("--host", "::1", *COMMON, expect_ready=False)
+    try:
+        said = launched.wait_for("ready at", 120)
+        assert said == f"ringserve: ready at http://[::1]:{launched.port}", said
+        url = said.split()[-1]
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            assert resp.status == 200
+    finally:
+        launched.stop()
+
+
 def test_a_second_node_takes_the_ring_node_0_sized():
     """Each node was given its own split; the ring is node 0's, and node 1's
     rank loads node 0's layers for it."""

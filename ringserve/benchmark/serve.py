@@ -79,7 +79,8 @@ def _percentiles(text: str) -> list[float]:
 
 
 async def benchmark(args: argparse.Namespace) -> dict:
-    base = args.base_url or f"http://{args.host}:{args.port}"
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
+    base = args.base_url or f"http://{host}:{args.port}"
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:

@@ -39,7 +39,8 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     running = asyncio.create_task(conductor.run())
     stopping = asyncio.create_task(stop.wait())
-    url = f"http://{options.host}:{options.port}"
+    host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address
+    url = f"http://{host}:{options.port}"
     log.info("server.ready", url=url)
     if ready is not None:
         ready.write_text(url)
