@@ -16,6 +16,7 @@ logs is built, and skips the work when it is False.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -55,16 +56,28 @@ class _Sink:
         threading.Thread(target=self._flush_often, name="log-flush", daemon=True).start()
 
     def add(self, line: bytes) -> None:
+        if self.out is None:  # closed, or ended by a write it refused
+            return
         with self.lock:
             self.pending.append(line)
 
     def flush(self) -> None:
+        """Write what was added. A file that refuses a write (a full disk)
+        ends the log there, said once on stderr; the rank goes on."""
         with self.writing:
             with self.lock:
                 batch, self.pending = self.pending, []
             data = memoryview(b"".join(batch))
-            while data and self.out is not None:  # an unbuffered write may be partial
-                data = data[self.out.write(data) :]
+            try:
+                while data and self.out is not None:  # an unbuffered write may be partial
+                    data = data[self.out.write(data) :]
+            except OSError as exc:
+                out, self.out = self.out, None
+                self.closed.set()
+                if out is not None:
+                    with contextlib.suppress(OSError):
+                        out.close()
+                    say(f"the log {out.name} stops here: {exc.strerror or exc}")
 
     def close(self) -> None:
         self.closed.set()
@@ -72,7 +85,8 @@ class _Sink:
         with self.writing:
             out, self.out = self.out, None
         if out is not None:
-            out.close()
+            with contextlib.suppress(OSError):
+                out.close()
 
     def _flush_often(self) -> None:
         while not self.closed.wait(FLUSH_EVERY_S):

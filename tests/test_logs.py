@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import structlog
@@ -211,3 +212,15 @@ def test_a_rank_whose_stderr_nobody_reads_keeps_going_and_its_file_keeps_everyth
     events = [e for e in read(tmp_path / "rank1.jsonl") if e["event"] == "probe.unread"]
     assert [e["i"] for e in events] == list(range(20000))
     assert "probe.unread" in proc.stderr.read()
+
+
+def test_a_log_on_a_full_disk_stops_there_said_once_and_the_rank_goes_on(capsys):
+    sink = logs._Sink(Path("/dev/full"))  # every write: no space left on device
+    sink.add(b'{"event": "a"}\n')
+    sink.flush()
+    sink.add(b'{"event": "b"}\n')  # dropped: the log has ended
+    sink.flush()
+    sink.close()
+    said = capsys.readouterr().err.splitlines()
+    assert said == ["ringserve: the log /dev/full stops here: No space left on device"], said
+    assert sink.pending == []
