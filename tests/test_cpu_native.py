@@ -3,6 +3,7 @@ fallback where it cannot build, and the engine's output with it and without."""
 
 from __future__ import annotations
 
+import os
 import platform
 import random
 from pathlib import Path
@@ -314,3 +315,25 @@ def test_a_context_longer_than_its_slot_table_is_an_index_error(kernel):
     batch.seq_lens[1] = batch.req_slots.shape[1] + 1
     with pytest.raises(IndexError, match="past its slot table"):
         kernel.decode_attention(q, k_cache, v_cache, batch, 0.125)
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_cached_library_is_built_again_not_loaded(tmp_path):
+    """A truncated library, loaded, ends the process (SIGBUS): the digest
+    written beside it at build tells it apart, and it is built again."""
+    first = CpuKernels.load(tmp_path)
+    if first is None:
+        pytest.skip("the kernels do not build here (see the log line)")
+    from ringserve.kernels.cpu_native import _whole
+
+    (library,) = tmp_path.glob("cpu_kernels-*.so")
+    whole = library.read_bytes()
+    for damage in (whole[:1000], b""):
+        # a new file in its place: this process maps the first one, whose
+        # pages must stay as they are
+        (tmp_path / "damaged").write_bytes(damage)
+        os.replace(tmp_path / "damaged", library)
+        assert not _whole(library)
+        again = CpuKernels.load(tmp_path)
+        assert again is not None and again.lanes == first.lanes
+        assert _whole(library) and len(library.read_bytes()) == len(whole)  # built again

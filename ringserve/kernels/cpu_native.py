@@ -357,7 +357,7 @@ def _build(compiler: str, cache_dir: Path, target: tuple[str, ...]) -> Path:
                  platform.machine().encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
     path = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if path.is_file():
+    if _whole(path):
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
@@ -371,11 +371,30 @@ def _build(compiler: str, cache_dir: Path, target: tuple[str, ...]) -> Path:
         )
         if done.returncode != 0:
             raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, path)
+        with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False) as note:
+            note.write(digest)
+        os.replace(note.name, _digest_path(path))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_suffix(".sha256")
+
+
+def _whole(library: Path) -> bool:
+    """Whether the cached library is the one built (its digest, written
+    beside it after it, matches): a damaged one, loaded, could end the
+    process (SIGBUS on a truncated file); it is built again instead."""
+    try:
+        expected = _digest_path(library).read_text().strip()
+        return hashlib.sha256(library.read_bytes()).hexdigest() == expected
+    except OSError:
+        return False
 
 
 def _cpu_flags() -> str:
