@@ -232,8 +232,12 @@ def test_norms_take_the_kernel_only_for_rows_it_knows(kernel):
 
 
 def test_no_compiler_or_a_failed_compile_leaves_the_torch_path(tmp_path, monkeypatch):
+    from structlog.testing import capture_logs
+
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert CpuKernels.load(tmp_path / "a") is None
+    with capture_logs() as said:
+        assert CpuKernels.load(tmp_path / "a") is None
+    assert said[-1]["reason"] == f"no C compiler: $CC={tmp_path / 'no-such-cc'} is not on PATH"
     monkeypatch.setenv("CC", "false")  # found on PATH, fails every command
     assert CpuKernels.load(tmp_path / "b") is None
     assert not any((tmp_path / "b").glob("*.so"))  # no half-written library left

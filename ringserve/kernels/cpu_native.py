@@ -96,9 +96,11 @@ class CpuKernels:
         """The kernels built for this machine (or for `march`, else
         $RINGSERVE_CPU_MARCH, else native), compiling them when no cached
         build exists; None (with the reason logged) when they cannot be had."""
-        compiler = shutil.which(os.environ.get("CC", "cc"))
+        wanted = os.environ.get("CC") or "cc"
+        compiler = shutil.which(wanted)
         if compiler is None:
-            log.warning("cpu_kernels.torch", reason="no C compiler ($CC or cc) on PATH")
+            given = f"$CC={wanted}" if os.environ.get("CC") else "cc"
+            log.warning("cpu_kernels.torch", reason=f"no C compiler: {given} is not on PATH")
             return None
         try:
             target = march or os.environ.get("RINGSERVE_CPU_MARCH") or "native"
