@@ -318,6 +318,10 @@ def _launch(args: argparse.Namespace) -> int:
     _check_launch(args)
     if args.node_rank == 0:
         _check_node_0_ports(args)
+    if args.log_dir is not None:  # held while this launch runs
+        from ringserve.logs import claim_log_dir
+
+        _claim = claim_log_dir(args.log_dir, args.node_rank)  # noqa: F841
     budgets, config = _budgets(args), _config(args)  # mistakes found before torch loads
 
     from ringserve.http.options import HttpOptions

@@ -66,6 +66,7 @@ class LLM:
         self._ring: LocalRing | None = None
         # Rank 0 runs in this process: log it like the child ranks, into
         # `log_dir/rank0.jsonl` when given, until close(); planning included.
+        self._claim = None if log_dir is None else logs.claim_log_dir(log_dir)
         self._logs = logs.LogScope(0, log_dir, console_level="warning")
         try:
             model_dir = resolve_model(model, revision) if model is not None else builtin_model_dir()
@@ -83,6 +84,7 @@ class LLM:
             self.tokenizer = self._ring.conductor.tokenizer
         except BaseException:
             self._logs.close()
+            self._release_log_dir()
             raise
 
     def get_tokenizer(self) -> Tokenizer:
@@ -190,6 +192,12 @@ class LLM:
                 ring.close()
         finally:  # interrupted or not, the caller's logging is put back
             self._logs.close()
+            self._release_log_dir()
+
+    def _release_log_dir(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import logging
 import os
 import sys
@@ -265,6 +266,25 @@ def configure(
     used."""
     _install(rank, log_dir, console_level, file_level, final)
     return Path(log_dir) / f"rank{rank}.jsonl" if log_dir is not None else None
+
+
+def claim_log_dir(log_dir: str | Path, node: int = 0) -> IO[str]:
+    """Hold `log_dir` for this node of one server while the returned file
+    stays open: two servers logging into one directory would interleave
+    their ranks' files, and replay would read one broken ring out of two
+    sound ones. The nodes of one ring each hold their own claim, so they may
+    share a directory. ValueError naming the directory when it is held."""
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    held = (Path(log_dir) / f".node{node}.lock").open("w")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        held.close()
+        raise ValueError(
+            f"log dir {log_dir} is in use by another server (node {node} of its ring logs "
+            "there): give each server its own log directory"
+        ) from None
+    return held
 
 
 def say(text: str) -> None:

@@ -296,6 +296,32 @@ def test_a_node_whose_node_0_stops_before_the_ring_is_up_ends_within_seconds():
         second.stop()
 
 
+def test_a_second_server_on_a_log_dir_in_use_is_refused_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from ringserve import LLM
+
+    first = Launched("--log-dir", str(tmp_path), *COMMON)
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "ringserve", "launch", "--log-dir", str(tmp_path), *COMMON],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert line == (
+            f"ringserve: log dir {tmp_path} is in use by another server (node 0 of its ring "
+            "logs there): give each server its own log directory"
+        ), line
+        with pytest.raises(ValueError, match="in use by another server"):
+            LLM(log_dir=str(tmp_path))
+    finally:
+        first.stop()
+    with LLM(log_dir=str(tmp_path), kv_capacity_tokens=4096) as llm:  # free again
+        assert llm.generate(["x"], use_tqdm=False)[0].token_ids
+
+
 def test_an_ipv6_host_is_served_at_a_url_that_names_it_in_brackets():
     launched = Launched("--host", "::1", *COMMON, expect_ready=False)
     try:
