@@ -240,7 +240,7 @@ def test_a_rank_killed_on_another_node_is_the_one_the_failed_request_names():
         asking.join(60)
         assert answer.get("status") == 503, answer
         message = json.loads(answer["body"])["error"]["message"]
-        assert "rank 2 is gone: Connection closed by peer" in message, message
+        assert "rank 2 is gone: " in message, message  # then gloo's words, which vary
         assert "GLHF" not in message and "pair.cc" not in message, message
         first.proc.wait(30)
         second.proc.wait(30)
