@@ -318,10 +318,15 @@ def _launch(args: argparse.Namespace) -> int:
     _check_launch(args)
     if args.node_rank == 0:
         _check_node_0_ports(args)
-    if args.log_dir is not None:  # held while this launch runs
-        from ringserve.logs import claim_log_dir
+    if args.log_dir is None:
+        return _launch_checked(args)
+    from ringserve.logs import claim_log_dir
 
-        _claim = claim_log_dir(args.log_dir, args.node_rank)  # noqa: F841
+    with claim_log_dir(args.log_dir, args.node_rank):  # held while this launch runs
+        return _launch_checked(args)
+
+
+def _launch_checked(args: argparse.Namespace) -> int:
     budgets, config = _budgets(args), _config(args)  # mistakes found before torch loads
 
     from ringserve.http.options import HttpOptions
@@ -496,7 +501,8 @@ def parser() -> argparse.ArgumentParser:
     launch.set_defaults(run=_launch)
     plan = sub.add_parser(
         "plan",
-        help="print the plan: layer split, KV capacity and stage times, from --rank-memory-mib or each rank's measured memory",
+        help="print the plan (layer split, KV capacity, stage times) from --rank-memory-mib "
+        "or each rank's measured memory",
         parents=[debug],
     )
     _engine_args(plan)

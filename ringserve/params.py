@@ -32,20 +32,15 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
-        self.check_given("structured_outputs", given)
+        _check(
+            len(given) == 1,
+            "structured_outputs needs exactly one of json, regex, choice, grammar and "
+            f"json_object, got {given or 'none'}",
+        )
         _check(
             self.choice is None
             or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
             "structured_outputs choice must be a non-empty list of strings",
-        )
-
-    @staticmethod
-    def check_given(name: str, given: list[str]) -> None:
-        """ValueError unless `given` names exactly one kind of constraint."""
-        _check(
-            len(given) == 1,
-            f"{name} needs exactly one of json, regex, choice, grammar and "
-            f"json_object, got {given or 'none'}",
         )
 
     @property
@@ -242,6 +237,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def ending_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
+        """The ids that end this request: its stop ids, and the model's ends
+        of sequence (`eos_ids`) unless it ignores them; `min_tokens` bans them."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos_ids)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -51,6 +51,24 @@ def test_cache_dir_comes_from_the_environment(
     assert builtin_model_dir() == tmp_path / "env" / BUILTIN_VERSION
 
 
+def test_one_cache_dir_for_everything_ringserve_makes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The built-in model and the CPU kernels alike: RINGSERVE_CACHE_DIR,
+    else XDG_CACHE_HOME/ringserve, else ~/.cache/ringserve."""
+    from ringserve.config import cache_dir
+
+    monkeypatch.delenv("RINGSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "ringserve"
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("RINGSERVE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "ringserve"
+
+
 def test_concurrent_creators_leave_one_complete_directory(tmp_path: Path) -> None:
     results: list[Path] = []
     errors: list[BaseException] = []

@@ -228,14 +228,16 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
 AT_ONCE = 4
 
 
-def run_cli(argv: list[str]) -> tuple[int, str]:
-    """(exit code, stderr) of `ringserve ARGV`, under a timeout."""
+def run_cli(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """(exit code, stderr) of `ringserve ARGV` (`env` added to this
+    environment), under a timeout."""
     done = subprocess.run(
         [sys.executable, "-m", "ringserve", *argv],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, **(env or {})},
     )
     return done.returncode, done.stderr
 
@@ -303,26 +305,8 @@ def test_a_node_says_which_of_its_settings_node_0_replaced_in_words():
 def test_a_cache_dir_that_cannot_hold_the_built_in_model_is_one_line(tmp_path):
     not_a_dir = tmp_path / "a_file"
     not_a_dir.write_text("")
-    env = {**os.environ, "RINGSERVE_CACHE_DIR": str(not_a_dir)}
-    result = subprocess.run(
-        [sys.executable, "-m", "ringserve", "plan", "--pp", "1"],
-        capture_output=True, text=True, env=env, timeout=60,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    (line,) = result.stderr.strip().splitlines()
+    code, err = run_cli(["plan", "--pp", "1"], env={"RINGSERVE_CACHE_DIR": str(not_a_dir)})
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
     assert line.startswith(f"ringserve: cannot write the built-in model into {not_a_dir}"), line
     assert "RINGSERVE_CACHE_DIR" in line
-
-
-def test_one_cache_dir_for_everything_ringserve_makes(monkeypatch, tmp_path):
-    from ringserve.config import cache_dir
-
-    monkeypatch.delenv("RINGSERVE_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache_dir() == tmp_path / "xdg" / "ringserve"
-    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path / "mine"))
-    assert cache_dir() == tmp_path / "mine"
-    monkeypatch.delenv("RINGSERVE_CACHE_DIR")
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert cache_dir() == tmp_path / "home" / ".cache" / "ringserve"

@@ -130,17 +130,16 @@ def test_rules_that_can_never_fire_on_the_ring_are_named() -> None:
     assert never_fire("drop:rank=1:kind=hidden:pass=3,void:rank=2:every=5", 3) == []
 
 
-def test_launch_says_which_rules_can_never_fire(tmp_path) -> None:
-    import os
-    import subprocess
-    import sys
+def test_launch_says_which_rules_can_never_fire() -> None:
+    from tests.test_cli_errors import run_cli
 
-    env = {**os.environ, "RINGSERVE_FAULTS": "drop:rank=1:kind=hidden:pass=3"}
     # a split that does not fit ends the launch right after the check, before any rank starts
-    cmd = [sys.executable, "-m", "ringserve", "launch", "--pp", "2", "--layer-split", "9,9"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
-    assert result.returncode == 2, result.stderr
+    code, err = run_cli(
+        ["launch", "--pp", "2", "--layer-split", "9,9"],
+        env={ENV_VAR: "drop:rank=1:kind=hidden:pass=3"},
+    )
+    assert code == 2, err
     assert (
         "RINGSERVE_FAULTS: this rule can never fire: drop:rank=1:kind=hidden:pass=3: the last "
-        "rank sends no hidden" in result.stderr
-    ), result.stderr
+        "rank sends no hidden" in err
+    ), err

@@ -23,6 +23,7 @@ from ringserve.benchmark.datasets import SampleRequest, random_requests, sharegp
 from ringserve.benchmark.request import RequestResult, Target, send
 from ringserve.benchmark.results import METRICS, parse_goodput, report, summarise
 from ringserve.config import UserError
+from ringserve.http.options import http_url
 from ringserve.models.tokenizer import Tokenizer
 
 
@@ -79,8 +80,7 @@ def _percentiles(text: str) -> list[float]:
 
 
 async def benchmark(args: argparse.Namespace) -> dict:
-    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
-    base = args.base_url or f"http://{host}:{args.port}"
+    base = args.base_url or http_url(args.host, args.port)
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:

@@ -4,8 +4,8 @@ to the handles they belong to, and retires a handle once its request is
 done. It keeps the serving metrics, counted where the events happen.
 
 The desk bounds the queue: a request that finds `max_waiting` requests
-waiting for their first admission is refused (`QueueFull`) before it is numbered, so it leaves
-no trace; one still waiting `queue_timeout_s` after it came is aborted with
+waiting for their first admission is refused (`QueueFull`) before it is
+numbered, so it leaves no trace; one still waiting `queue_timeout_s` after it came is aborted with
 the reason, through the scheduler's abort, which the log records as an
 input of the scheduler re-run (ringserve replay), so the re-run repeats it.
 """
@@ -53,8 +53,7 @@ class QueueFull(Exception):
     def __init__(self, waiting: int, limit: int) -> None:
         super().__init__(
             f"{waiting} requests are waiting for admission, the most this server queues is "
-            f"{limit}; "
-            f"retry after {RETRY_AFTER_S} s"
+            f"{limit}; retry after {RETRY_AFTER_S} s"
         )
         self.retry_after_s = RETRY_AFTER_S
 

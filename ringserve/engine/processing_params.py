@@ -34,8 +34,7 @@ def _check_something_is_drawable(params: SamplingParams, eos_ids: frozenset[int]
     left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words_token_ids if len(w) == 1}
     if not left:
         raise ValueError("bad_words ban every token of allowed_token_ids: none could be drawn")
-    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-    if params.min_tokens > 0 and not left - ends:
+    if params.min_tokens > 0 and not left - params.ending_ids(eos_ids):
         raise ValueError(
             f"allowed_token_ids {sorted(left)} are all ends of sequence or stop_token_ids, "
             f"which min_tokens {params.min_tokens} bans: none could be drawn"

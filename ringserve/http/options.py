@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def http_url(host: str, port: int) -> str:
+    """The URL of a server at `host:port` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 @dataclass(frozen=True, slots=True)
 class HttpOptions:
     host: str = "127.0.0.1"

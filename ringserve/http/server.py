@@ -10,7 +10,7 @@ import structlog
 from aiohttp import web
 
 from ringserve.engine.conductor import Conductor
-from ringserve.http.options import HttpOptions
+from ringserve.http.options import HttpOptions, http_url
 from ringserve.http.submission import SHUTTING_DOWN
 
 log = structlog.get_logger(__name__)
@@ -39,8 +39,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     running = asyncio.create_task(conductor.run())
     stopping = asyncio.create_task(stop.wait())
-    host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address
-    url = f"http://{host}:{options.port}"
+    url = http_url(options.host, options.port)
     log.info("server.ready", url=url)
     if ready is not None:
         ready.write_text(url)

@@ -63,25 +63,23 @@ def _structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
     so = body.structured_outputs
     if so is None:
         return None
-    made = _made(
+    # given, it must name something to match: `{}` is refused, as vLLM refuses it
+    return _made(
         "structured_outputs",
+        required=True,
         json=so.json,
         regex=so.regex,
         choice=so.choice,
         grammar=so.grammar,
         json_object=bool(so.json_object),
     )
-    if made is None:  # given, but with nothing to match: refused as vLLM refuses it
-        try:
-            StructuredOutputsParams.check_given("structured_outputs", [])
-        except ValueError as exc:
-            raise bad_request(str(exc), param="structured_outputs") from None
-    return made
 
 
-def _made(field: str, **given: Any) -> StructuredOutputsParams | None:
+def _made(field: str, *, required: bool = False, **given: Any) -> StructuredOutputsParams | None:
+    """The constraint `field` gives (None when it gives none and need not);
+    a 400 naming `field` for one StructuredOutputsParams refuses."""
     kept = {k: v for k, v in given.items() if v is not None and v is not False}
-    if not kept:
+    if not kept and not required:
         return None
     if "choice" in kept:
         kept["choice"] = tuple(kept["choice"])

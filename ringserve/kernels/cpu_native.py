@@ -39,7 +39,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from ringserve.config import cache_dir
+from ringserve.config import cache_dir as default_cache_dir
 from ringserve.kernels.batch import ForwardBatch
 
 log = structlog.get_logger(__name__)
@@ -104,7 +104,7 @@ class CpuKernels:
             return None
         try:
             target = march or os.environ.get("RINGSERVE_CPU_MARCH") or "native"
-            path = _build(compiler, cache_dir or _cache_dir(), (f"-march={target}",))
+            path = _build(compiler, cache_dir or default_cache_dir(), (f"-march={target}",))
             kernel = cls(ctypes.CDLL(str(path)))
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
             log.warning("cpu_kernels.torch", reason=f"the kernel did not build: {exc}")
@@ -342,10 +342,6 @@ class CpuKernels:
 def _dense_rows(x: torch.Tensor) -> bool:
     """Each [H, D] row is dense; rows may be any stride apart."""
     return x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-
-def _cache_dir() -> Path:
-    return cache_dir()
 
 
 def _build(compiler: str, cache_dir: Path, target: tuple[str, ...]) -> Path:

@@ -116,7 +116,7 @@ def _processing(params: SamplingParams, prompt_len: int, eos_ids: frozenset[int]
     (so off the wire) when the request asks for none."""
     if not params.penalized:
         return {}
-    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    banned = params.ending_ids(eos_ids)
     bias = params.logit_bias
     allowed = params.allowed_token_ids
     return {
